@@ -1,0 +1,101 @@
+"""Tokenizers in the Hugging Face layout: ChatML specials, chat template, stop tokens.
+
+Checkpoints carry their tokenizer (tokenizer.json + tokenizer_config.json); specloop
+loads it with `transformers.AutoTokenizer` from the folder and never from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+from specloop.config import ModelConfig
+from specloop.errors import CheckpointError
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 as in Ouro's tokenizer
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_level_tokenizer() -> Any:
+    """A BPE with no merges over the 256 byte symbols, after the three ChatML specials.
+
+    Small and deterministic: it round-trips any text, which is all a random checkpoint
+    needs. Trained checkpoints ship a real BPE built the same way.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def save_tokenizer(tokenizer_object: Any, folder: Path, max_length: int) -> None:
+    """Save a `tokenizers.Tokenizer` as a Hugging Face fast tokenizer with the chat template.
+
+    The files are written directly (tokenizer.json, tokenizer_config.json naming
+    PreTrainedTokenizerFast) so every transformers version reads them the same way.
+    """
+    tokenizer_object.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": IM_START,
+        "eos_token": ENDOFTEXT,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {"content": tok, "special": True, "lstrip": False, "rstrip": False,
+                     "normalized": False, "single_word": False}
+            for i, tok in enumerate(SPECIAL_TOKENS)
+        },
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The folder's tokenizer through AutoTokenizer, offline."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
+        raise CheckpointError(f"{folder} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # it warns that it does not know model_type "ouro"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a broken tokenizer
+        raise CheckpointError(f"cannot load the tokenizer in {folder}: {exc}") from None
+    finally:
+        quiet.setLevel(level)
+
+
+def stop_token_ids(cfg: ModelConfig, tokenizer: Any | None) -> tuple[int, ...]:
+    """eos_token_id(s) from config.json, the tokenizer's eos, and <|im_end|> when present."""
+    ids = set(cfg.eos_token_ids)
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
+            ids.add(im_end)
+    return tuple(sorted(i for i in ids if 0 <= i < cfg.vocab_size))

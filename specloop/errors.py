@@ -1,0 +1,20 @@
+"""Exception types that carry one clear line for the user.
+
+Every error a user can provoke (bad checkpoint, bad option, bad request) is raised as a
+`SpecloopError` subclass whose message is a single sentence naming the offending thing;
+the CLI prints that line and exits non-zero instead of showing a traceback.
+"""
+
+from __future__ import annotations
+
+
+class SpecloopError(Exception):
+    """Base class for errors whose message is meant for the user."""
+
+
+class ConfigError(SpecloopError):
+    """A model or engine configuration that specloop cannot run."""
+
+
+class CheckpointError(SpecloopError):
+    """A checkpoint folder that is missing, malformed or does not match its config."""

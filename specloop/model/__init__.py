@@ -1,0 +1,6 @@
+"""The looped model: stages (embed / loop / head), the dense reference and a stepper."""
+
+from specloop.model.ouro import OuroModel
+from specloop.model.reference import ReferenceOutput, reference_forward, reference_greedy
+
+__all__ = ["OuroModel", "ReferenceOutput", "reference_forward", "reference_greedy"]
