@@ -1,0 +1,340 @@
+"""Logical KV bookkeeping: page ids, per-plane block tables, frontiers, reservations.
+
+A request keeps one block table per depth plane. Table entry i of plane r is the page
+that stores positions [i * block_size, (i + 1) * block_size) of that plane, and the flat
+slot of a position is `page * block_size + position % block_size`. The physical storage
+(BF16 pages now, packed formats later) only consumes those page ids and slots; nothing
+here imports torch.
+
+Admission reserves, up front, every page a request may ever hold (`pages_for` of its
+reserve tokens), so a running request can always grow its tables without failing or
+preempting anyone. Pages are allocated lazily by `ensure` inside that reservation.
+
+Invariants (checked after every operation by tests/test_kv_manager.py):
+
+1. Every page is either free (refcount 0, on the free list once) or held (refcount >= 1).
+2. Without sharing, the pages held by all requests plus the free pages are exactly
+   `range(num_pages)`, and no page is held by two requests.
+3. Reserved-but-unallocated pages are never handed to another request: the free pages
+   always number at least the outstanding reservations, and `can_admit` only counts
+   what is left after them.
+4. Every plane of a request has the same number of pages, so all planes cover the
+   same positions; `truncate` drops the same table tail in every plane, after which
+   `ensure` regrows with fresh pages inside the kept reservation.
+5. An operation on one request never reads or changes another request's pages.
+
+Nothing shares pages yet. When prefix reuse does (`PageAllocator.incref`), invariant 3
+needs care: dropping a shared page frees no storage, so a reservation must not count a
+shared page as one it can re-allocate for free.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from specloop.errors import SpecloopError
+
+
+class OutOfPages(SpecloopError):
+    """Not enough free (or unreserved) KV pages for the requested allocation or admission."""
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PageAllocator:
+    """Fixed pool of page ids with a free list and reference counts.
+
+    The free list is FIFO: `allocate` takes from the front, freed pages join the back.
+    Recently freed pages are therefore reused last, which keeps their contents around
+    longest (useful for a later prefix cache) and makes allocation order deterministic.
+    Every failing call leaves the allocator unchanged.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self.num_pages = num_pages
+        self._refcounts = [0] * num_pages
+        self._free: collections.deque[int] = collections.deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_list(self) -> list[int]:
+        """The free pages in the order `allocate` will hand them out."""
+        return list(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` pages off the free list with refcount 1; all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > len(self._free):
+            raise OutOfPages(f"cannot allocate {n} KV pages: only {len(self._free)} are free.")
+        pages = [self._free.popleft() for _ in range(n)]
+        for page in pages:
+            self._refcounts[page] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        """Add one reference to each held page (sharing); a free page is an error."""
+        self._check_held(pages)
+        for page in pages:
+            self._refcounts[page] += 1
+
+    def decref(self, pages: list[int]) -> list[int]:
+        """Drop one reference per entry; returns the pages that became free, in order.
+
+        Dropping more references than a page has (a double free) raises before any
+        count changes.
+        """
+        self._check_held(pages)
+        released = []
+        for page in pages:
+            self._refcounts[page] -= 1
+            if self._refcounts[page] == 0:
+                self._free.append(page)
+                released.append(page)
+        return released
+
+    def refcount(self, page: int) -> int:
+        self._check_range(page)
+        return self._refcounts[page]
+
+    def _check_range(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} is outside the pool of {self.num_pages} pages")
+
+    def _check_held(self, pages: list[int]) -> None:
+        """Each page must have at least as many references as it appears in `pages`."""
+        for page, times in collections.Counter(pages).items():
+            self._check_range(page)
+            if self._refcounts[page] < times:
+                raise ValueError(
+                    f"page {page} has {self._refcounts[page]} references, cannot release or share it {times} times"
+                )
+
+
+@dataclasses.dataclass
+class _RequestKV:
+    """One request's logical KV: per-plane tables and frontiers within a page reservation."""
+
+    reserved_pages: int
+    tables: list[list[int]]  # [plane] -> page ids; every plane has the same length
+    frontiers: list[int]  # [plane] -> positions [0, frontier) written
+    exits: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> exit depth
+
+    @property
+    def pages_per_plane(self) -> int:
+        return len(self.tables[0])
+
+    @property
+    def held_pages(self) -> int:
+        return sum(len(table) for table in self.tables)
+
+    @property
+    def outstanding_pages(self) -> int:
+        """Reserved pages not allocated yet; kept back from every other request."""
+        return self.reserved_pages - self.held_pages
+
+
+class KVManager:
+    """Per request and per depth plane: a block table over fixed-size pages and a written frontier.
+
+    Admission reserves pages up front (so a running request never runs out), tables grow
+    within the reservation, truncate rolls back and returns whole pages past the new
+    frontier to the pool while keeping the reservation, free releases everything.
+    `page_bytes` is the storage of one page of one plane (all layers, K and V), used only
+    for accounting.
+    """
+
+    def __init__(self, num_planes: int, block_size: int, num_pages: int, page_bytes: int) -> None:
+        if num_planes < 1 or block_size < 1 or page_bytes < 0:
+            raise ValueError(
+                f"need num_planes >= 1, block_size >= 1, page_bytes >= 0; got {num_planes}, {block_size}, {page_bytes}"
+            )
+        self.num_planes = num_planes
+        self.block_size = block_size
+        self.page_bytes = page_bytes
+        self.allocator = PageAllocator(num_pages)
+        self._requests: dict[str, _RequestKV] = {}
+        self._outstanding = 0  # sum of outstanding_pages over requests
+
+    # ----- capacity -----
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` positions in every plane."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return self.num_planes * _ceil_div(num_tokens, self.block_size)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages on the allocator's free list, including ones promised to admitted requests."""
+        return self.allocator.num_free
+
+    @property
+    def num_reserved_pages(self) -> int:
+        """Pages promised to admitted requests but not allocated yet."""
+        return self._outstanding
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages that no admitted request has a claim on."""
+        return self.allocator.num_free - self._outstanding
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held or reserved, in [0, 1]."""
+        if self.num_pages == 0:
+            return 0.0
+        return 1.0 - self.num_available_pages / self.num_pages
+
+    @property
+    def total_bytes_used(self) -> int:
+        """Bytes of the pages held by anyone (a shared page counts once)."""
+        return (self.num_pages - self.allocator.num_free) * self.page_bytes
+
+    def can_admit(self, reserve_tokens: int) -> bool:
+        return self.pages_for(reserve_tokens) <= self.num_available_pages
+
+    def fits_ever(self, reserve_tokens: int) -> bool:
+        """Whether the request could be admitted into an otherwise empty pool."""
+        return self.pages_for(reserve_tokens) <= self.num_pages
+
+    # ----- request lifecycle -----
+
+    def requests(self) -> list[str]:
+        return list(self._requests)
+
+    def add_request(self, rid: str, reserve_tokens: int) -> None:
+        """Admit `rid`, reserving pages for `reserve_tokens` positions in every plane."""
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} already has KV state")
+        needed = self.pages_for(reserve_tokens)
+        if needed > self.num_available_pages:
+            raise OutOfPages(
+                f"request {rid!r} needs {needed} KV pages but only {self.num_available_pages} are unreserved."
+            )
+        planes = range(self.num_planes)
+        self._requests[rid] = _RequestKV(needed, [[] for _ in planes], [0 for _ in planes])
+        self._outstanding += needed
+
+    def ensure(self, rid: str, num_tokens: int) -> None:
+        """Grow every plane's table to cover positions [0, num_tokens); never shrinks."""
+        req = self._get(rid)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        want = _ceil_div(num_tokens, self.block_size)
+        grow = want - req.pages_per_plane
+        if grow <= 0:
+            return
+        if want * self.num_planes > req.reserved_pages:
+            raise ValueError(
+                f"request {rid!r}: covering {num_tokens} positions needs {want * self.num_planes} pages, "
+                f"beyond its reservation of {req.reserved_pages}"
+            )
+        pages = self.allocator.allocate(grow * self.num_planes)  # cannot fail: reserved
+        for plane, table in enumerate(req.tables):
+            table.extend(pages[plane * grow:(plane + 1) * grow])
+        self._outstanding -= len(pages)
+
+    def truncate(self, rid: str, frontier: int) -> list[int]:
+        """Roll back to `frontier`: every plane's frontier becomes min(frontier, current).
+
+        Pages wholly at or beyond the new frontier leave every plane's table and go back
+        to the pool (returned, plane by plane, in table order); the reservation is kept so
+        the request can regrow. Exit-depth records past the frontier are dropped.
+        """
+        req = self._get(rid)
+        if frontier < 0:
+            raise ValueError(f"frontier must be >= 0, got {frontier}")
+        req.frontiers = [min(frontier, f) for f in req.frontiers]
+        req.exits = {pos: depth for pos, depth in req.exits.items() if pos < frontier}
+        keep = _ceil_div(frontier, self.block_size)
+        dropped = [page for table in req.tables for page in table[keep:]]
+        for table in req.tables:
+            del table[keep:]
+        self._outstanding += len(dropped)
+        return self.allocator.decref(dropped)
+
+    def free(self, rid: str) -> list[int]:
+        """Release all of `rid`'s pages and its reservation; returns the pages that became free."""
+        req = self._get(rid)
+        del self._requests[rid]
+        self._outstanding -= req.outstanding_pages
+        return self.allocator.decref([page for table in req.tables for page in table])
+
+    # ----- per-request views -----
+
+    def block_table(self, rid: str, plane: int) -> list[int]:
+        return list(self._table(rid, plane))
+
+    def coverage(self, rid: str) -> int:
+        """Positions [0, coverage) have a page in every plane."""
+        return self._get(rid).pages_per_plane * self.block_size
+
+    def slot(self, rid: str, plane: int, position: int) -> int:
+        """Flat slot of `position` in `plane`: page * block_size + position % block_size."""
+        table = self._table(rid, plane)
+        if not 0 <= position < len(table) * self.block_size:
+            raise IndexError(f"request {rid!r} plane {plane}: position {position} has no page")
+        page = table[position // self.block_size]
+        return page * self.block_size + position % self.block_size
+
+    def slots(self, rid: str, plane: int, start: int, end: int) -> list[int]:
+        """Flat slots of positions [start, end) in `plane`."""
+        table = self._table(rid, plane)
+        if not 0 <= start <= end <= len(table) * self.block_size:
+            raise IndexError(f"request {rid!r} plane {plane}: positions [{start}, {end}) are not all covered")
+        bs = self.block_size
+        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def frontier(self, rid: str, plane: int) -> int:
+        self._table(rid, plane)  # validates plane
+        return self._get(rid).frontiers[plane]
+
+    def advance(self, rid: str, plane: int, new_frontier: int) -> None:
+        """Mark positions [0, new_frontier) of `plane` written; monotone and within coverage."""
+        req = self._get(rid)
+        current = self.frontier(rid, plane)
+        if not current <= new_frontier <= self.coverage(rid):
+            raise ValueError(
+                f"request {rid!r} plane {plane}: frontier {new_frontier} must lie in "
+                f"[{current}, {self.coverage(rid)}]"
+            )
+        req.frontiers[plane] = new_frontier
+
+    def set_exit_depth(self, rid: str, position: int, depth: int) -> None:
+        """Record that the token at `position` exited at `depth` (LAST_EXITED history)."""
+        req = self._get(rid)
+        if not 0 <= depth < self.num_planes:
+            raise ValueError(f"exit depth {depth} is outside [0, {self.num_planes})")
+        if not 0 <= position < self.coverage(rid):
+            raise IndexError(f"request {rid!r}: position {position} has no page")
+        req.exits[position] = depth
+
+    def exit_depths(self, rid: str) -> dict[int, int]:
+        return dict(self._get(rid).exits)
+
+    def bytes_used(self, rid: str) -> int:
+        return self._get(rid).held_pages * self.page_bytes
+
+    def _get(self, rid: str) -> _RequestKV:
+        try:
+            return self._requests[rid]
+        except KeyError:
+            raise KeyError(f"request {rid!r} has no KV state") from None
+
+    def _table(self, rid: str, plane: int) -> list[int]:
+        req = self._get(rid)
+        if not 0 <= plane < self.num_planes:
+            raise IndexError(f"plane {plane} is outside [0, {self.num_planes})")
+        return req.tables[plane]
