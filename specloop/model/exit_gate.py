@@ -20,21 +20,19 @@ def exit_lambda(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
 
 
 def exit_step(
-    survival: torch.Tensor, lam: torch.Tensor, loop: int, num_loops: int, threshold: float
+    survival: torch.Tensor, lam: torch.Tensor, loop: int | torch.Tensor, num_loops: int, threshold: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One loop of Q-exit for a set of tokens; no host sync.
 
     survival: prod_{j<t}(1 - lambda_j) per token (1.0 before loop 1), fp32 [N].
-    lam: lambda_t per token, fp32 [N]. loop: t, 1-based.
+    lam: lambda_t per token, fp32 [N]. loop: t, 1-based, one for all tokens or [N].
     Returns (exits [N] bool, survival after this loop [N]).
     """
     new_survival = survival * (1.0 - lam)
-    if loop >= num_loops:
-        return torch.ones_like(lam, dtype=torch.bool), new_survival
+    last = torch.as_tensor(loop, device=lam.device) >= num_loops
     if threshold >= 1.0:
-        return torch.zeros_like(lam, dtype=torch.bool), new_survival
-    cdf = 1.0 - new_survival
-    return cdf >= threshold, new_survival
+        return last.expand(lam.shape).clone(), new_survival
+    return last | (1.0 - new_survival >= threshold), new_survival
 
 
 def exit_distribution(lambdas: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""The serving core: scheduler, KV manager, executor, engine."""
