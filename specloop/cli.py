@@ -41,45 +41,58 @@ def _run_random_checkpoint(args: argparse.Namespace) -> None:
     print(args.out)
 
 
+ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
+    "dtype": (str, "auto, float32, bfloat16 or float16 (auto: bf16 on CUDA, fp32 on CPU)"),
+    "device": (str, "auto, cpu or cuda[:N]"),
+    "seed": (int, "engine seed: requests without their own seed sample reproducibly from it"),
+    "block_size": (int, "tokens per KV page"),
+    "num_kv_pages": (int, "KV budget in pages"),
+    "kv_cache_bytes": (int, "KV budget in bytes"),
+    "gpu_memory_utilization": (float, "fraction of free GPU memory after weights for KV"),
+    "max_num_seqs": (int, "running requests at once"),
+    "max_num_batched_tokens": (int, "rows (token, depth) per forward call"),
+    "max_model_len": (int, "context length limit"),
+    "max_waiting_requests": (int, "bounded waiting queue"),
+    "exit_threshold": (float, "Q-exit threshold (1.0: every loop)"),
+}
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """Engine options, named as vLLM names them where vLLM has the same option."""
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
+    for name, (kind, help_text) in ENGINE_OPTIONS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, default=None, help=help_text)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion to stdout")
-    p.add_argument("--model", required=True, help="checkpoint folder")
+    add_engine_options(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    import torch
+    from specloop.engine.config import EngineConfig
+    from specloop.engine.core import EngineCore
+    from specloop.engine.sampling_params import SamplingParams
+    from specloop.llm import default_model
 
-    from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
-    from specloop.model.stepper import LoopStepper
-
-    if args.max_tokens < 1:
-        raise SpecloopError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
-    tokenizer = load_tokenizer(args.model)
-    stops = set(stop_token_ids(model.config, tokenizer))
-    prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
-    if not prompt:
-        raise SpecloopError("the prompt is empty after tokenization")
-    stepper = LoopStepper(model, max_seqs=1, max_len=len(prompt) + args.max_tokens + 1)
-    seq = stepper.add_sequence(prompt)
-    generated: list[int] = []
-    printed = ""
-    with torch.inference_mode():
-        for _ in range(args.max_tokens):
-            token = stepper.greedy(seq, 1)[0]
-            if token in stops:
-                break
-            generated.append(token)
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-                sys.stdout.write(text[len(printed):])
-                sys.stdout.flush()
-                printed = text
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k)
+    engine = EngineCore(EngineConfig.from_kwargs(args.model or default_model(), **engine_options(args)))
+    engine.add_request("cli", args.prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
     sys.stdout.write("\n")
 
 

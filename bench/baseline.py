@@ -1,0 +1,119 @@
+"""Serving-core baseline on the GPU: decode and prefill speed against the floors.
+
+Usage (device machine; a random checkpoint is written first):
+    python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b
+    python bench/baseline.py --model /tmp/ouro14 --out bench/results/baseline_ouro-1.4b.json
+
+Cases (random weights, bf16, greedy, ignore_eos):
+- batch-1 decode after a 1K-token prompt: time per output token (TPOT) over the decode
+  phase, i.e. (time of last token - time of first token) / (tokens - 1);
+- batch-32 decode after 1K-token prompts: aggregate output tokens/s over the window in
+  which all 32 requests are decoding;
+- an 8K-token prompt with max_tokens=1: time to first token, and peak CUDA memory.
+Floors follow ../shared/docs/gpu.md: bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s, the larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specloop.engine.config import EngineConfig
+from specloop.engine.core import EngineCore
+from specloop.engine.sampling_params import SamplingParams
+
+BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (gpu.md)
+MATMUL = 790e12  # bf16 FLOP/s (gpu.md)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def _run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict[str, list[float]]:
+    """Submit all prompts at once; per request, the wall time of each output token."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+        times[f"r{i}"] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter() - start
+            times[out.request_id].extend([now] * len(out.token_ids))
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    args = p.parse_args()
+    engine = EngineCore(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_num_seqs=64,
+                                     max_num_batched_tokens=2048))
+    cfg = engine.model.config
+    vocab, loops = cfg.vocab_size, cfg.num_loops
+    stack_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters() if ".layers." in n)
+    head_bytes = engine.model.lm_head.weight.numel() * engine.model.lm_head.weight.element_size()
+    kv_token_bytes = cfg.kv_bytes_per_token(2)  # every plane, K and V
+
+    _run(engine, _prompts(2, 64, vocab, 0), 8)  # warm-up: kernels, allocator
+
+    # batch-1 decode after a 1K prompt
+    t = _run(engine, _prompts(1, 1024, vocab, 1), args.decode_tokens)["r0"]
+    tpot1 = (t[-1] - t[0]) / (len(t) - 1)
+    ctx = 1024 + args.decode_tokens / 2
+    floor1 = (loops * stack_bytes + head_bytes + ctx * kv_token_bytes) / BANDWIDTH
+
+    # batch-32 decode after 1K prompts
+    t32 = _run(engine, _prompts(32, 1024, vocab, 2), args.decode_tokens)
+    window_start = max(ts[0] for ts in t32.values())
+    window_end = min(ts[-1] for ts in t32.values())
+    in_window = sum(sum(1 for x in ts if window_start < x <= window_end) for ts in t32.values())
+    agg32 = in_window / (window_end - window_start)
+    floor32_step = (loops * stack_bytes + head_bytes + 32 * ctx * kv_token_bytes) / BANDWIDTH  # one token each
+
+    # 8K prefill
+    torch.cuda.reset_peak_memory_stats()
+    kv_alloc = torch.cuda.memory_allocated()
+    t8 = _run(engine, _prompts(1, 8192, vocab, 3), 1)["r0"][0]
+    peak = torch.cuda.max_memory_allocated()
+    n = 8192
+    linear_flops = 2 * (stack_bytes / 2) * loops * n
+    attn_flops = loops * cfg.num_hidden_layers * 2 * 2 * (n * n / 2) * cfg.num_attention_heads * cfg.head_dim
+    floor8k = max((linear_flops + attn_flops) / MATMUL, (loops * stack_bytes + n * kv_token_bytes) / BANDWIDTH)
+
+    result = {
+        "command": " ".join(["python"] + sys.argv),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "engine": engine.config.summary(),
+        "num_kv_pages": engine.kv.num_pages,
+        "batch1_decode": {"prompt": 1024, "tokens": len(t), "tpot_ms": 1e3 * tpot1, "tokens_per_s": 1 / tpot1,
+                          "floor_ms": 1e3 * floor1, "gap": tpot1 / floor1},
+        "batch32_decode": {"prompt": 1024, "tokens_per_request": args.decode_tokens, "aggregate_tokens_per_s": agg32,
+                           "floor_tokens_per_s": 32 / floor32_step, "gap": (32 / floor32_step) / agg32},
+        "prefill_8k": {"ttft_s": t8, "floor_s": floor8k, "gap": t8 / floor8k,
+                       "peak_cuda_gib": peak / 2**30, "kv_pool_and_weights_gib": kv_alloc / 2**30},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"{'case':16s} {'measured':>22s} {'floor':>22s} {'gap':>6s}")
+    b1, b32, p8 = result["batch1_decode"], result["batch32_decode"], result["prefill_8k"]
+    print(f"{'batch-1 decode':16s} {b1['tpot_ms']:17.2f} ms/t {b1['floor_ms']:17.2f} ms/t {b1['gap']:6.1f}")
+    print(f"{'batch-32 decode':16s} {agg32:19.0f} t/s {b32['floor_tokens_per_s']:19.0f} t/s {b32['gap']:6.1f}")
+    print(f"{'8K prefill':16s} {t8:19.3f} s   {floor8k:19.3f} s   {p8['gap']:6.1f}")
+    print(f"peak CUDA memory {peak / 2**30:.1f} GiB (KV pool + weights {kv_alloc / 2**30:.1f} GiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""AsyncEngine: the asyncio front of the engine core.
+
+The core runs on its own thread, so a busy GPU (or a slow CPU forward) never stalls the
+event loop. Commands (add, abort) cross to that thread through a queue and return their
+outcome through futures, so a bad request raises in the caller at once; outputs come back
+through `loop.call_soon_threadsafe` into one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from specloop.engine.config import EngineConfig
+from specloop.engine.core import EngineCore, EngineStats
+from specloop.engine.request import RequestOutput
+from specloop.engine.sampling_params import SamplingParams
+from specloop.errors import SpecloopError
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(SpecloopError):
+    """The engine thread stopped after an internal error; the engine serves nothing more."""
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.core = EngineCore(config)
+        self.config = config
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+        self._stats = self.core.stats()
+        self._thread = threading.Thread(target=self._run, name="specloop-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> "AsyncEngine":
+        return cls(EngineConfig.from_kwargs(model, **options))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def stats(self) -> EngineStats:
+        """Last published stats (read without touching the engine thread)."""
+        return self._stats
+
+    # ---- public API -------------------------------------------------------------------
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's incremental outputs; leaving the iterator early aborts it."""
+        params = params or SamplingParams()
+        rid = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._check_alive()
+
+        def add() -> None:
+            self.core.add_request(rid, prompt, params)
+            self._streams[rid] = stream
+
+        await self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped: {item}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and self.is_alive:
+                self._submit(lambda: self._abort_now(rid, stream))
+
+    async def abort(self, request_id: str) -> None:
+        if self.is_alive:
+            await self._call(lambda: self._abort_now(request_id, None))
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is left, stop the thread and wait for it."""
+        if self._thread.is_alive() and not self._stopping.is_set():
+            await self._call(self._abort_all)
+        self._stopping.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    # ---- plumbing ---------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+        if self._stopping.is_set():
+            raise EngineDeadError("the engine is shutting down")
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _abort_now(self, rid: str, only_stream: _Stream | None) -> None:
+        stream = self._streams.get(rid)
+        if only_stream is not None and stream is not only_stream:
+            return  # the ID now belongs to a newer request
+        output = self.core.abort(rid)
+        if output is not None:
+            self._deliver([output])
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            self._abort_now(rid, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                busy = self.core.has_unfinished()
+                self._run_commands(block=not busy)
+                if self.core.has_unfinished():
+                    self._deliver(self.core.step())
+                self._stats = self.core.stats()
+        except BaseException as exc:  # the engine is dead: tell every waiter
+            log.exception("engine thread failed")
+            self.error = exc
+            for stream in self._streams.values():
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            self._streams.clear()
+            self._fail_pending(exc)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                future.set_result(fn())
+            except SpecloopError as exc:
+                future.set_exception(exc)
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(EngineDeadError(f"the engine stopped: {exc}"))

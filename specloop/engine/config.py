@@ -1,0 +1,63 @@
+"""The engine's one immutable configuration, validated at start-up.
+
+Option names follow vLLM where vLLM has the same option. Values discovered at start-up
+(the number of KV pages, stop token ids) are passed to the components explicitly and are
+never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specloop.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto: cuda when available
+    seed: int = 0
+    block_size: int = 16  # tokens per KV page
+    num_kv_pages: int | None = None  # explicit KV budget in pages (all planes share one pool)
+    kv_cache_bytes: int | None = None  # explicit KV budget in bytes
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory after weights for KV
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 2048  # rows (token, depth) per forward call
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_waiting_requests: int = 1024  # bounded FCFS queue; more is rejected
+    exit_threshold: float | None = None  # Q-exit threshold; None: the checkpoint's
+    max_inflight_tickets: int = 2  # tickets submitted before the oldest is committed
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("block_size", "num_kv_pages", "kv_cache_bytes", "max_num_seqs",
+                     "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
+                     "max_inflight_tickets"):
+            positive(name)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.exit_threshold is not None and not 0.0 <= self.exit_threshold <= 1.0:
+            raise ConfigError(f"exit_threshold must lie in [0, 1], got {self.exit_threshold}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "float64"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not self.device.split(":")[0] in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword options; an unknown option is one clear error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option {unknown[0]!r}; known options: {', '.join(sorted(known - {'model'}))}")
+        return cls(model=model, **kwargs)
+
+    def summary(self) -> dict[str, Any]:
+        """Every option, for diagnostics and benchmark records."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,205 @@
+"""EngineCore: the engine step, as a short story.
+
+    schedule -> submit -> (when enough tickets are in flight) collect -> commit -> emit
+
+`step()` submits the next plan and commits the oldest ticket once `max_inflight_tickets`
+are in flight, so on CUDA the CPU always prepares the next plan while the GPU runs the
+current one. Commit drops results whose incarnation is stale (abort, finish, request-ID
+reuse), turns sampled tokens into text and stop decisions, and ends requests. The core is
+single-threaded; `AsyncEngine` runs it on its own thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
+from specloop.engine.attention import PagedKVStorage
+from specloop.engine.config import EngineConfig
+from specloop.engine.detokenizer import IncrementalDetokenizer
+from specloop.engine.executor import Executor, SampleResult, Ticket
+from specloop.engine.kv_manager import KVManager
+from specloop.engine.request import Request, RequestOutput
+from specloop.engine.runner import Runner
+from specloop.engine.sampling_params import SamplingParams
+from specloop.engine.scheduler import Scheduler
+from specloop.errors import InvalidRequestError, SpecloopError
+
+log = logging.getLogger(__name__)
+CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
+
+
+class QueueFullError(SpecloopError):
+    """The waiting queue is at max_waiting_requests; retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float  # pages held or reserved / all pages
+    kv_bytes_used: int
+    num_kv_pages: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = torch.device(_resolve_device(config.device))
+        self.model, _ = load_model(config.model, dtype=config.dtype, device=device)
+        self.tokenizer = load_tokenizer(config.model)
+        mcfg = self.model.config
+        self.stop_ids = frozenset(stop_token_ids(mcfg, self.tokenizer))
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        threshold = mcfg.early_exit_threshold if config.exit_threshold is None else config.exit_threshold
+        page_bytes = PagedKVStorage.page_bytes(mcfg.num_hidden_layers, config.block_size,
+                                               mcfg.num_key_value_heads, mcfg.head_dim, self.model.dtype)
+        num_pages = self._num_pages(page_bytes, device)
+        rows = config.max_num_batched_tokens
+        num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
+        self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
+        self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
+                                   adaptive_exit=threshold < 1.0)
+        self.executor = Executor(Runner(self.model, num_pages, config.block_size, num_token_slots,
+                                        config.max_num_seqs, threshold, config.seed))
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._inflight: collections.deque[Ticket] = collections.deque()
+        self._arrivals = itertools.count()
+        log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB)", config.model, device,
+                 num_pages, config.block_size, num_pages * page_bytes / 2**20)
+
+    def _num_pages(self, page_bytes: int, device: torch.device) -> int:
+        cfg = self.config
+        if cfg.num_kv_pages is not None:
+            return cfg.num_kv_pages
+        if cfg.kv_cache_bytes is not None:
+            budget = cfg.kv_cache_bytes
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * cfg.gpu_memory_utilization) - (1 << 30)  # 1 GiB for activations
+        else:
+            budget = CPU_KV_BYTES
+        pages = budget // page_bytes
+        if pages < 1:
+            raise SpecloopError(f"the KV budget of {budget} bytes holds no page of {page_bytes} bytes")
+        return pages
+
+    # ---- requests ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        ids = self._prompt_ids(prompt)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"length of {self.max_model_len} tokens", param="prompt")
+        if not self.kv.fits_ever(total):
+            raise InvalidRequestError(
+                f"prompt plus max_tokens ({total} tokens) needs {self.kv.pages_for(total)} KV pages but the "
+                f"cache has {self.kv.num_pages}", param="max_tokens")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+        req = Request(request_id, ids, params, arrival=next(self._arrivals))
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model.config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now; its final output says finish_reason='abort'."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._end(req, "abort", "", [], None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._inflight)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
+                           self.kv.total_bytes_used, self.kv.num_pages)
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule() if len(self._inflight) < self.config.max_inflight_tickets else None
+        if plan is not None:
+            self._inflight.append(self.executor.submit(plan))
+        if self._inflight and (plan is None or len(self._inflight) >= self.config.max_inflight_tickets):
+            ticket = self._inflight.popleft()
+            outputs = self._commit(ticket.result())
+            self.scheduler.ticket_done(ticket.ticket_id)
+            return outputs
+        if plan is None and self.requests:
+            raise RuntimeError("scheduler stalled: live requests but no work and no ticket in flight")
+        return []
+
+    def _commit(self, results: list[SampleResult]) -> list[RequestOutput]:
+        outputs = []
+        for res in results:
+            req = self.requests.get(res.record.request_id)
+            if req is None or req.incarnation != res.record.incarnation:
+                continue  # stale: the request ended or its ID was reused
+            assert res.record.sample_index == len(req.output_ids), "samples commit in order"
+            outputs.append(self._accept(req, res.token, res.logprob))
+        return outputs
+
+    def _accept(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+        params = req.params
+        req.output_ids.append(token)
+        logprobs = [logprob] if params.logprobs else None
+        is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.stop_ids)
+        detok = self._detok[req.request_id]
+        text = "" if is_stop_token else detok.add(token)
+        if is_stop_token or detok.stopped:
+            return self._end(req, "stop", text, [token], logprobs)
+        if len(req.output_ids) >= params.max_tokens:
+            return self._end(req, "length", text + detok.flush(), [token], logprobs)
+        return RequestOutput(req.request_id, text, [token], False, None, req.usage(), logprobs)
+
+    def _end(self, req: Request, reason: str, text: str, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        del self.requests[req.request_id]
+        del self._detok[req.request_id]
+        return RequestOutput(req.request_id, text, tokens, True, reason, req.usage(), logprobs)
+
+    def drain(self) -> list[RequestOutput]:
+        """Run steps until every request finished (used by the synchronous API)."""
+        outputs: list[RequestOutput] = []
+        while self.has_unfinished():
+            outputs.extend(self.step())
+        return outputs
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.config.summary(), "model": dataclasses.asdict(self.model.config),
+                "num_kv_pages": self.kv.num_pages, "max_model_len": self.max_model_len}
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecloopError("device cuda was requested but CUDA is not available")
+    return device

@@ -1,0 +1,56 @@
+"""The executor: `submit(plan) -> Ticket`.
+
+On CUDA `submit` only enqueues device work (the runner never synchronises), so the CPU
+returns at once and builds the next plan while the GPU runs this one; `Ticket.result()`
+waits for the ticket's event. On CPU the work runs inside `submit` and the ticket is
+already complete: the same interface, synchronous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specloop.engine.plan import Plan
+from specloop.engine.runner import Runner, SampleRecord, TicketOutput
+
+
+@dataclasses.dataclass
+class SampleResult:
+    record: SampleRecord
+    token: int
+    logprob: float | None
+
+
+class Ticket:
+    def __init__(self, output: TicketOutput) -> None:
+        self._output = output
+
+    @property
+    def ticket_id(self) -> int:
+        return self._output.plan.ticket_id
+
+    @property
+    def plan(self) -> Plan:
+        return self._output.plan
+
+    def done(self) -> bool:
+        return self._output.event is None or self._output.event.query()
+
+    def result(self) -> list[SampleResult]:
+        """Block until the ticket completed; its samples in plan order."""
+        out = self._output
+        if out.event is not None:
+            out.event.synchronize()
+        if out.tokens is None:
+            return []
+        tokens = out.tokens.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
+        return [SampleResult(r, t, lp) for r, t, lp in zip(out.samples, tokens, logprobs)]
+
+
+class Executor:
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def submit(self, plan: Plan) -> Ticket:
+        return Ticket(self.runner.execute(plan))

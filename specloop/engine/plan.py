@@ -1,0 +1,52 @@
+"""A plan: the rows of one forward call, as plain data the runner turns into tensors.
+
+Rows come in groups: a group is a contiguous position range [start, end) of one request
+at one depth. Every row of a group writes its K/V into the group's depth plane and attends
+causally to that plane of its request over positions [0, position]. A group at the last
+depth may end with a sample: the head runs on its last row and the sampled token goes to
+the request's device-side next-token cell, which a later plan's depth-0 row embeds without
+the CPU ever reading it (`token_ids is None`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specloop.engine.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class RowGroup:
+    request_id: str
+    incarnation: int
+    arrival: int  # identifies the request object (its sampling generator)
+    req_slot: int
+    depth: int
+    start: int
+    end: int
+    token_ids: list[int] | None  # depth 0: prompt ids for [start, end); None: the device next-token cell
+    hidden_slots: list[int]  # token slot of each row
+    block_table: list[int]  # pages of this depth's plane covering [0, end)
+    plane_slots: list[list[int]]  # [plane][row]: flat KV slot of each row in every plane
+    sample: SamplingParams | None = None  # sample from the last row's final state
+    sample_index: int = -1  # which sample of the request this is (0-based)
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class Plan:
+    ticket_id: int
+    groups: list[RowGroup]
+    release_slots: list[int]  # token slots free once this ticket completes
+    adaptive_exit: bool
+
+    @property
+    def num_rows(self) -> int:
+        return sum(g.num_rows for g in self.groups)
+
+    @property
+    def samples(self) -> list[RowGroup]:
+        return [g for g in self.groups if g.sample is not None]

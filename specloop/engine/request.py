@@ -1,0 +1,88 @@
+"""Requests and their outputs: plain Python, no torch.
+
+A request's scheduling state is optimistic: it counts work that has been submitted in
+tickets but not yet committed, because the executor keeps tickets in flight. What the
+user sees (`output_ids`) is only what committed tickets produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+
+from specloop.engine.sampling_params import SamplingParams
+
+_incarnations = itertools.count(1)
+
+
+def new_incarnation() -> int:
+    """A process-wide fresh generation number; results tagged with an older one are stale."""
+    return next(_incarnations)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One incremental update of a request: what is new since the previous update."""
+
+    request_id: str
+    text: str  # new text (delta)
+    token_ids: list[int]  # new token ids (delta)
+    finished: bool
+    finish_reason: str | None  # stop | length | abort
+    usage: Usage
+    logprobs: list[float] | None = None  # of the new tokens, when requested
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # FCFS order
+    incarnation: int = dataclasses.field(default_factory=new_incarnation)
+    status: Status = Status.WAITING
+    req_slot: int = -1  # index of the request's device-side state (next token, generator)
+    # Scheduled (optimistic) state:
+    num_tokens: int = 0  # positions that exist: prompt + samples scheduled in earlier plans
+    samples_scheduled: int = 0
+    hidden_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> token slot
+    # Committed state:
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_ids)
+
+    @property
+    def kv_key(self) -> str:
+        """Unique per request object, so a reused request ID never meets the old one's KV."""
+        return f"{self.request_id}@{self.arrival}"
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV positions the request may ever need (reserved at admission)."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def wants_more_samples(self) -> bool:
+        return self.samples_scheduled < self.params.max_tokens
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_ids), len(self.output_ids))

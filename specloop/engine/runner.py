@@ -1,0 +1,200 @@
+"""The runner: turns a plan into device tensors and runs one forward call.
+
+It owns all device-side state between calls: KV pages, token slots (each live token's
+hidden state, exit survival and exited flag), each request's next-token cell and sampling
+generator. Nothing here reads a device value back to the CPU: sizes come from the plan,
+sampled tokens stay on the device for the next plan and are copied to pinned host memory
+asynchronously for the commit. On CPU the same code simply runs synchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specloop.engine.attention import DecodeBatch, PagedAttention, PagedKVStorage, PrefillGroup
+from specloop.engine.plan import Plan, RowGroup
+from specloop.engine.sampler import SamplingBatch, make_generator, sample
+from specloop.model.exit_gate import exit_step
+from specloop.model.ouro import OuroModel
+
+
+@dataclasses.dataclass
+class SampleRecord:
+    request_id: str
+    incarnation: int
+    sample_index: int
+
+
+@dataclasses.dataclass
+class TicketOutput:
+    """What a forward call hands back: host copies of the samples, complete after `event`."""
+
+    plan: Plan
+    samples: list[SampleRecord]
+    tokens: torch.Tensor | None  # [S] long on the host
+    logprobs: torch.Tensor | None  # [S] fp32 on the host
+    event: torch.cuda.Event | None  # None on CPU: already complete
+
+
+class Runner:
+    def __init__(
+        self, model: OuroModel, num_pages: int, block_size: int, num_token_slots: int, max_seqs: int,
+        exit_threshold: float, engine_seed: int,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.num_loops = cfg.num_loops
+        self.threshold = exit_threshold
+        self.engine_seed = engine_seed
+        self.block_size = block_size
+        self.storage = PagedKVStorage(cfg.num_hidden_layers, num_pages, block_size, cfg.num_key_value_heads,
+                                      cfg.head_dim, model.dtype, self.device)
+        self.backend = PagedAttention(self.storage)
+        self.slot_hidden = torch.zeros(num_token_slots, cfg.hidden_size, dtype=model.dtype, device=self.device)
+        self.slot_survival = torch.ones(num_token_slots, dtype=torch.float32, device=self.device)
+        self.slot_exited = torch.zeros(num_token_slots, dtype=torch.bool, device=self.device)
+        self.next_token = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self._generators: dict[int, tuple[int, torch.Generator]] = {}  # req slot -> (arrival, gen)
+        self._pin = self.device.type == "cuda"
+
+    def _upload(self, values: list[int] | list[bool], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if self._pin:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def _generator(self, group: RowGroup) -> torch.Generator:
+        tagged = self._generators.get(group.req_slot)
+        if tagged is None or tagged[0] != group.arrival:
+            seed = group.sample.seed if group.sample is not None else None
+            tagged = (group.arrival, make_generator(seed, self.engine_seed, group.arrival, self.device))
+            self._generators[group.req_slot] = tagged
+        return tagged[1]
+
+    @torch.inference_mode()
+    def execute(self, plan: Plan) -> TicketOutput:
+        rows = self._rows(plan)
+        hidden = self.slot_hidden[rows.hidden_slots]
+        if rows.entering:  # depth-0 rows: embed, reset their slot's exit state
+            ids = torch.where(rows.from_device, self.next_token[rows.req_slots], rows.token_ids)
+            enter = rows.enter_index
+            hidden[enter] = self.model.embed(ids[enter])
+            self.slot_survival[rows.hidden_slots[enter]] = 1.0
+            self.slot_exited[rows.hidden_slots[enter]] = False
+        keep = self.slot_exited[rows.hidden_slots] if plan.adaptive_exit else None
+        self._set_attention(plan, rows, keep)
+        out = self.model.loop(hidden, rows.positions, self.backend)
+        if plan.adaptive_exit:
+            out = self._exit(rows, out, keep)
+        self.slot_hidden[rows.hidden_slots] = out
+        return self._sample(plan, rows, out)
+
+    def _exit(self, rows: "_Rows", out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Q-exit on the device; newly exited tokens expose their K/V to deeper planes."""
+        slots = rows.hidden_slots
+        survival = self.slot_survival[slots]
+        exits, new_survival = exit_step(survival, self.model.exit_lambda(out), rows.depths + 1,
+                                        self.num_loops, self.threshold)
+        newly = exits & ~keep
+        self.slot_survival[slots] = torch.where(keep, survival, new_survival)
+        self.slot_exited[slots] = keep | exits
+        for plane in range(1, self.num_loops):
+            deeper = newly & (rows.depths < plane)
+            self.storage.inherit(rows.write_slots, rows.plane_slots[:, plane], deeper)
+        return torch.where(keep[:, None], self.slot_hidden[slots], out)
+
+    def _set_attention(self, plan: Plan, rows: "_Rows", keep: torch.Tensor | None) -> None:
+        b = self.backend
+        b.write_slots, b.keep, b.prefills, b.decodes = rows.write_slots, keep, [], None
+        bs = self.block_size
+        singles = []
+        offset = 0
+        for group in plan.groups:
+            n = group.num_rows
+            if n == 1:
+                singles.append((offset, group))
+            else:
+                table = self._upload(group.block_table)
+                span = torch.arange(group.end, device=self.device)
+                key_slots = table[span // bs] * bs + span % bs
+                query_pos = torch.arange(group.start, group.end, device=self.device)
+                b.prefills.append(PrefillGroup(slice(offset, offset + n), key_slots, span[None, :] <= query_pos[:, None]))
+            offset += n
+        if singles:
+            width = max(len(g.block_table) for _, g in singles)
+            tables = self._upload([g.block_table + [0] * (width - len(g.block_table)) for _, g in singles])
+            lengths = self._upload([g.end for _, g in singles])
+            span = torch.arange(width * bs, device=self.device)
+            key_slots = tables[:, span // bs] * bs + span % bs
+            b.decodes = DecodeBatch(self._upload([o for o, _ in singles]), key_slots, span[None, :] < lengths[:, None])
+
+    def _sample(self, plan: Plan, rows: "_Rows", out: torch.Tensor) -> TicketOutput:
+        groups = plan.samples
+        if not groups:
+            return TicketOutput(plan, [], None, None, None)
+        last_rows = self._upload(rows.sample_rows)
+        logits = self.model.head(out[last_rows])
+        batch = SamplingBatch.build([g.sample for g in groups], [self._generator(g) for g in groups], self.device)
+        result = sample(logits, batch)
+        self.next_token[self._upload([g.req_slot for g in groups])] = result.token_ids
+        tokens = _to_host(result.token_ids, self._pin)
+        logprobs = _to_host(result.logprobs, self._pin) if result.logprobs is not None else None
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        records = [SampleRecord(g.request_id, g.incarnation, g.sample_index) for g in groups]
+        return TicketOutput(plan, records, tokens, logprobs, event)
+
+    def _rows(self, plan: Plan) -> "_Rows":
+        token_ids, from_device, req_slots, positions, depths = [], [], [], [], []
+        hidden_slots, write_slots, plane_slots, enter_index, sample_rows = [], [], [], [], []
+        for group in plan.groups:
+            n = group.num_rows
+            base = len(positions)
+            if group.depth == 0:
+                enter_index.extend(range(base, base + n))
+            token_ids.extend(group.token_ids if group.token_ids is not None else [0] * n)
+            from_device.extend([group.token_ids is None] * n)
+            req_slots.extend([group.req_slot] * n)
+            positions.extend(range(group.start, group.end))
+            depths.extend([group.depth] * n)
+            hidden_slots.extend(group.hidden_slots)
+            write_slots.extend(group.plane_slots[group.depth])
+            if plan.adaptive_exit:
+                plane_slots.extend(zip(*group.plane_slots))
+            if group.sample is not None:
+                sample_rows.append(base + n - 1)
+        up = self._upload
+        return _Rows(
+            token_ids=up(token_ids), from_device=up(from_device, torch.bool), req_slots=up(req_slots),
+            positions=up(positions), depths=up(depths), hidden_slots=up(hidden_slots),
+            write_slots=up(write_slots), plane_slots=up([list(p) for p in plane_slots]) if plane_slots else None,
+            enter_index=up(enter_index), entering=bool(enter_index), sample_rows=sample_rows,
+        )
+
+
+@dataclasses.dataclass
+class _Rows:
+    token_ids: torch.Tensor
+    from_device: torch.Tensor
+    req_slots: torch.Tensor
+    positions: torch.Tensor
+    depths: torch.Tensor
+    hidden_slots: torch.Tensor
+    write_slots: torch.Tensor
+    plane_slots: torch.Tensor | None  # [N, R] when adaptive exit is on
+    enter_index: torch.Tensor
+    entering: bool
+    sample_rows: list[int]
+
+
+def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    if not pinned:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
