@@ -18,3 +18,11 @@ class ConfigError(SpecloopError):
 
 class CheckpointError(SpecloopError):
     """A checkpoint folder that is missing, malformed or does not match its config."""
+
+
+class InvalidRequestError(SpecloopError):
+    """A request the engine refuses; `param` names the offending field (None: the request as a whole)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
