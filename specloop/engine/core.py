@@ -172,8 +172,10 @@ class EngineCore:
         logprobs = [logprob] if params.logprobs else None
         is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.stop_ids)
         detok = self._detok[req.request_id]
-        text = "" if is_stop_token else detok.add(token)
-        if is_stop_token or detok.stopped:
+        if is_stop_token:  # the stop token adds no text; release what was held back
+            return self._end(req, "stop", detok.flush(), [token], logprobs)
+        text = detok.add(token)
+        if detok.stopped:
             return self._end(req, "stop", text, [token], logprobs)
         if len(req.output_ids) >= params.max_tokens:
             return self._end(req, "length", text + detok.flush(), [token], logprobs)
