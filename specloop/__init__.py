@@ -1,8 +1,13 @@
 """specloop: a serving runtime for looped (recurrent-depth) language models."""
 
 from specloop.config import ModelConfig
-from specloop.errors import CheckpointError, ConfigError, SpecloopError
+from specloop.engine.async_engine import AsyncEngine
+from specloop.engine.config import EngineConfig
+from specloop.engine.sampling_params import SamplingParams
+from specloop.errors import CheckpointError, ConfigError, InvalidRequestError, SpecloopError
+from specloop.llm import LLM
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "ConfigError", "ModelConfig", "SpecloopError", "__version__"]
+__all__ = ["AsyncEngine", "CheckpointError", "ConfigError", "EngineConfig", "InvalidRequestError", "LLM",
+           "ModelConfig", "SamplingParams", "SpecloopError", "__version__"]
