@@ -12,6 +12,8 @@ from typing import Any
 
 from specloop.errors import ConfigError
 
+SPECULATION_MODES = ("none", "block")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -29,6 +31,9 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # bounded FCFS queue; more is rejected
     exit_threshold: float | None = None  # Q-exit threshold; None: the checkpoint's
     max_inflight_tickets: int = 2  # tickets submitted before the oldest is committed
+    speculation: str = "none"  # none | block (block self-speculation)
+    draft_loops: int = 2  # draft depth d: loops 1..d draft, d+1..R verify
+    num_speculative_tokens: int = 4  # block size k: drafts per round
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -38,8 +43,10 @@ class EngineConfig:
 
         for name in ("block_size", "num_kv_pages", "kv_cache_bytes", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
-                     "max_inflight_tickets"):
+                     "max_inflight_tickets", "draft_loops", "num_speculative_tokens"):
             positive(name)
+        if self.speculation not in SPECULATION_MODES:
+            raise ConfigError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.exit_threshold is not None and not 0.0 <= self.exit_threshold <= 1.0:

@@ -29,7 +29,9 @@ from specloop.engine.request import Request, RequestOutput
 from specloop.engine.runner import Runner
 from specloop.engine.sampling_params import SamplingParams
 from specloop.engine.scheduler import Scheduler
-from specloop.errors import InvalidRequestError, SpecloopError
+from specloop.errors import ConfigError, InvalidRequestError, SpecloopError
+from specloop.pipeline.block import BlockSpeculation
+from specloop.pipeline.metrics import SpeculationMetrics
 
 log = logging.getLogger(__name__)
 CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
@@ -46,6 +48,10 @@ class EngineStats:
     kv_usage: float  # pages held or reserved / all pages
     kv_bytes_used: int
     num_kv_pages: int
+    num_drafts: int = 0  # speculation rounds committed
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # rounds whose candidate i was accepted
 
 
 class EngineCore:
@@ -63,11 +69,19 @@ class EngineCore:
         num_pages = self._num_pages(page_bytes, device)
         rows = config.max_num_batched_tokens
         num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
+        speculation = None
+        if config.speculation == "block":
+            if not 1 <= config.draft_loops < mcfg.num_loops:
+                raise ConfigError(f"draft_loops must lie in 1..{mcfg.num_loops - 1} for a {mcfg.num_loops}-loop "
+                                  f"model, got {config.draft_loops}")
+            speculation = BlockSpeculation(mcfg.num_loops, config.draft_loops, config.num_speculative_tokens)
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
-                                   adaptive_exit=threshold < 1.0)
+                                   adaptive_exit=threshold < 1.0, speculation=speculation)
         self.executor = Executor(Runner(self.model, num_pages, config.block_size, num_token_slots,
-                                        config.max_num_seqs, threshold, config.seed))
+                                        config.max_num_seqs, threshold, config.seed,
+                                        config.num_speculative_tokens if speculation else 0))
+        self.metrics = SpeculationMetrics(config.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inflight: collections.deque[Ticket] = collections.deque()
@@ -139,8 +153,10 @@ class EngineCore:
         return bool(self.requests) or bool(self._inflight)
 
     def stats(self) -> EngineStats:
+        m = self.metrics
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
-                           self.kv.total_bytes_used, self.kv.num_pages)
+                           self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
+                           m.num_accepted_tokens, tuple(m.accepted_per_position))
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -163,29 +179,37 @@ class EngineCore:
             if req is None or req.incarnation != res.record.incarnation:
                 continue  # stale: the request ended or its ID was reused
             assert res.record.sample_index == len(req.output_ids), "samples commit in order"
-            outputs.append(self._accept(req, res.token, res.logprob))
+            if res.record.num_drafts >= 0:
+                self.metrics.record_round(req, res.record.num_drafts, len(res.tokens) - 1)
+            outputs.append(self._accept(req, res.tokens, res.logprobs))
+            if not outputs[-1].finished and res.record.num_drafts >= 0:
+                self.scheduler.round_done(req, len(res.tokens) - 1)
         return outputs
 
-    def _accept(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+    def _accept(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
+        """Append tokens in order, stopping at exactly the token that ends the request."""
         params = req.params
-        req.output_ids.append(token)
-        logprobs = [logprob] if params.logprobs else None
-        is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.stop_ids)
         detok = self._detok[req.request_id]
-        if is_stop_token:  # the stop token adds no text; release what was held back
-            return self._end(req, "stop", detok.flush(), [token], logprobs)
-        text = detok.add(token)
-        if detok.stopped:
-            return self._end(req, "stop", text, [token], logprobs)
-        if len(req.output_ids) >= params.max_tokens:
-            return self._end(req, "length", text + detok.flush(), [token], logprobs)
-        return RequestOutput(req.request_id, text, [token], False, None, req.usage(), logprobs)
+        text, taken = "", []
+        for token in tokens:
+            req.output_ids.append(token)
+            taken.append(token)
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.stop_ids):
+                return self._end(req, "stop", text + detok.flush(), taken, logprobs)  # no text for it
+            text += detok.add(token)
+            if detok.stopped:
+                return self._end(req, "stop", text, taken, logprobs)
+            if len(req.output_ids) >= params.max_tokens:
+                return self._end(req, "length", text + detok.flush(), taken, logprobs)
+        kept = logprobs[: len(taken)] if params.logprobs and logprobs is not None else None
+        return RequestOutput(req.request_id, text, taken, False, None, req.usage(), kept)
 
     def _end(self, req: Request, reason: str, text: str, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id]
         del self._detok[req.request_id]
-        return RequestOutput(req.request_id, text, tokens, True, reason, req.usage(), logprobs)
+        kept = logprobs[: len(tokens)] if req.params.logprobs and logprobs is not None else None
+        return RequestOutput(req.request_id, text, tokens, True, reason, req.usage(), kept)
 
     def drain(self) -> list[RequestOutput]:
         """Run steps until every request finished (used by the synchronous API)."""

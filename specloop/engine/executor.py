@@ -17,8 +17,8 @@ from specloop.engine.runner import Runner, SampleRecord, TicketOutput
 @dataclasses.dataclass
 class SampleResult:
     record: SampleRecord
-    token: int
-    logprob: float | None
+    tokens: list[int]  # emitted in order: one for a plain sample, accepted + 1 for a verification
+    logprobs: list[float] | None
 
 
 class Ticket:
@@ -43,9 +43,10 @@ class Ticket:
             out.event.synchronize()
         if out.tokens is None:
             return []
-        tokens = out.tokens.tolist()
+        tokens, counts = out.tokens.tolist(), out.counts.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
-        return [SampleResult(r, t, lp) for r, t, lp in zip(out.samples, tokens, logprobs)]
+        return [SampleResult(r, t[:c], lp[:c] if lp is not None else None)
+                for r, t, c, lp in zip(out.samples, tokens, counts, logprobs)]
 
 
 class Executor:

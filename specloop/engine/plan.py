@@ -5,7 +5,10 @@ at one depth. Every row of a group writes its K/V into the group's depth plane a
 causally to that plane of its request over positions [0, position]. A group at the last
 depth may end with a sample: the head runs on its last row and the sampled token goes to
 the request's device-side next-token cell, which a later plan's depth-0 row embeds without
-the CPU ever reading it (`token_ids is None`).
+the CPU ever reading it (`token_ids is None`). Block speculation adds two kinds: a draft
+sample at the draft depth (the candidate goes to the cell and the request's draft
+buffer, never to the host) and a verification (the head runs on every row, acceptance
+runs on the device, the accepted tokens and the correction go to the host).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class RowGroup:
     plane_slots: list[list[int]]  # [plane][row]: flat KV slot of each row in every plane
     sample: SamplingParams | None = None  # sample from the last row's final state
     sample_index: int = -1  # which sample of the request this is (0-based)
+    draft_index: int = -1  # >= 0: a draft sample (block speculation): candidate number
+    verify: bool = False  # the group's rows are a speculation round's verification
 
     @property
     def num_rows(self) -> int:
@@ -49,4 +54,9 @@ class Plan:
 
     @property
     def samples(self) -> list[RowGroup]:
-        return [g for g in self.groups if g.sample is not None]
+        """Groups whose result goes to the host: plain samples and verifications."""
+        return [g for g in self.groups if g.sample is not None and g.draft_index < 0]
+
+    @property
+    def drafts(self) -> list[RowGroup]:
+        return [g for g in self.groups if g.draft_index >= 0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+from typing import Any
 
 from specloop.engine.sampling_params import SamplingParams
 
@@ -31,6 +32,9 @@ class Status(enum.Enum):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    num_drafts: int = 0  # speculation rounds
+    num_draft_tokens: int = 0  # candidates drafted
+    num_accepted_tokens: int = 0  # candidates accepted
 
     @property
     def total_tokens(self) -> int:
@@ -61,7 +65,9 @@ class Request:
     req_slot: int = -1  # index of the request's device-side state (next token, generator)
     # Scheduled (optimistic) state:
     num_tokens: int = 0  # positions that exist: prompt + samples scheduled in earlier plans
-    samples_scheduled: int = 0
+    produced: int = 0  # output tokens whose generation is scheduled (committed ones included)
+    speculating: bool = False  # the speculation controller plans this request's rows
+    round: Any = None  # the speculation controller's state of the current round
     hidden_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> token slot
     # Committed state:
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -82,7 +88,12 @@ class Request:
 
     @property
     def wants_more_samples(self) -> bool:
-        return self.samples_scheduled < self.params.max_tokens
+        return self.produced < self.params.max_tokens
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def usage(self) -> Usage:
-        return Usage(len(self.prompt_ids), len(self.output_ids))
+        return Usage(len(self.prompt_ids), len(self.output_ids), self.num_drafts, self.num_draft_tokens,
+                     self.num_accepted_tokens)

@@ -15,9 +15,10 @@ import torch
 
 from specloop.engine.attention import DecodeBatch, PagedAttention, PagedKVStorage, PrefillGroup
 from specloop.engine.plan import Plan, RowGroup
-from specloop.engine.sampler import SamplingBatch, make_generator, sample
+from specloop.engine.sampler import SamplingBatch, make_generator, probabilities, sample
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
+from specloop.pipeline.acceptance import greedy_verify, speculative_sample
 
 
 @dataclasses.dataclass
@@ -25,23 +26,28 @@ class SampleRecord:
     request_id: str
     incarnation: int
     sample_index: int
+    num_drafts: int  # -1: a plain sample; else a verification of this many candidates
 
 
 @dataclasses.dataclass
 class TicketOutput:
-    """What a forward call hands back: host copies of the samples, complete after `event`."""
+    """What a forward call hands back: host copies of the samples, complete after `event`.
+
+    Row i of `tokens` holds record i's emitted tokens: `counts[i]` of them (1 for a plain
+    sample, accepted + 1 for a verification)."""
 
     plan: Plan
     samples: list[SampleRecord]
-    tokens: torch.Tensor | None  # [S] long on the host
-    logprobs: torch.Tensor | None  # [S] fp32 on the host
+    tokens: torch.Tensor | None  # [S, W] long on the host
+    counts: torch.Tensor | None  # [S] long on the host
+    logprobs: torch.Tensor | None  # [S, W] fp32 on the host
     event: torch.cuda.Event | None  # None on CPU: already complete
 
 
 class Runner:
     def __init__(
         self, model: OuroModel, num_pages: int, block_size: int, num_token_slots: int, max_seqs: int,
-        exit_threshold: float, engine_seed: int,
+        exit_threshold: float, engine_seed: int, num_speculative_tokens: int = 0,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -58,6 +64,9 @@ class Runner:
         self.slot_exited = torch.zeros(num_token_slots, dtype=torch.bool, device=self.device)
         self.next_token = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._generators: dict[int, tuple[int, torch.Generator]] = {}  # req slot -> (arrival, gen)
+        k = num_speculative_tokens  # each request's drafted candidates and their distributions
+        self.draft_tokens = torch.zeros(max_seqs, max(k, 1), dtype=torch.long, device=self.device)
+        self.draft_probs = torch.zeros(max_seqs if k else 0, max(k, 1), cfg.vocab_size, device=self.device)
         self._pin = self.device.type == "cuda"
 
     def _upload(self, values: list[int] | list[bool], dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -132,29 +141,81 @@ class Runner:
             b.decodes = DecodeBatch(self._upload([o for o, _ in singles]), key_slots, span[None, :] < lengths[:, None])
 
     def _sample(self, plan: Plan, rows: "_Rows", out: torch.Tensor) -> TicketOutput:
+        if plan.drafts:
+            self._draft(plan.drafts, rows, out)
         groups = plan.samples
         if not groups:
-            return TicketOutput(plan, [], None, None, None)
-        last_rows = self._upload(rows.sample_rows)
-        logits = self.model.head(out[last_rows])
-        batch = SamplingBatch.build([g.sample for g in groups], [self._generator(g) for g in groups], self.device)
-        result = sample(logits, batch)
-        self.next_token[self._upload([g.req_slot for g in groups])] = result.token_ids
-        tokens = _to_host(result.token_ids, self._pin)
-        logprobs = _to_host(result.logprobs, self._pin) if result.logprobs is not None else None
+            return TicketOutput(plan, [], None, None, None, None)
+        width = max(g.num_rows if g.verify else 1 for g in groups)
+        tokens = torch.zeros(len(groups), width, dtype=torch.long, device=self.device)
+        logprobs = torch.zeros(len(groups), width, dtype=torch.promote_types(self.model.dtype, torch.float32),
+                               device=self.device)
+        counts = torch.ones(len(groups), dtype=torch.long, device=self.device)
+        plain = [i for i, g in enumerate(groups) if not g.verify]
+        if plain:  # one head and one sampling call for every plain sample of the plan
+            index = self._upload([rows.offsets[id(groups[i])] + groups[i].num_rows - 1 for i in plain])
+            logits = self.model.head(out[index])
+            batch = SamplingBatch.build([groups[i].sample for i in plain],
+                                        [self._generator(groups[i]) for i in plain], self.device)
+            chosen = sample(logits, batch).token_ids
+            self.next_token[self._upload([groups[i].req_slot for i in plain])] = chosen
+            where = self._upload(plain)
+            tokens[where, 0] = chosen
+            logprobs[where, 0] = torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+        for i, group in enumerate(groups):
+            if not group.verify:
+                continue
+            first = rows.offsets[id(group)]
+            logits = self.model.head(out[first : first + group.num_rows])
+            count, emitted = self._verify(group, logits)
+            cell = group.req_slot
+            self.next_token[cell : cell + 1] = emitted.gather(0, (count - 1).view(1))
+            tokens[i, : group.num_rows] = emitted
+            logprobs[i, : group.num_rows] = torch.log_softmax(logits, dim=-1).gather(1, emitted[:, None]).squeeze(1)
+            counts[i] = count
         event = None
+        host_tokens = _to_host(tokens, self._pin)
+        host_counts = _to_host(counts, self._pin)
+        want_logprobs = any(g.sample.logprobs for g in groups)
+        host_logprobs = _to_host(logprobs, self._pin) if want_logprobs else None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        records = [SampleRecord(g.request_id, g.incarnation, g.sample_index) for g in groups]
-        return TicketOutput(plan, records, tokens, logprobs, event)
+        records = [SampleRecord(g.request_id, g.incarnation, g.sample_index, g.num_rows - 1 if g.verify else -1)
+                   for g in groups]
+        return TicketOutput(plan, records, host_tokens, host_counts, host_logprobs, event)
+
+    def _draft(self, groups: list[RowGroup], rows: "_Rows", out: torch.Tensor) -> None:
+        """Draft samples: the candidate goes to the next-token cell and the draft buffer."""
+        index = self._upload([rows.offsets[id(g)] + g.num_rows - 1 for g in groups])
+        logits = self.model.head(out[index])
+        batch = SamplingBatch.build([g.sample for g in groups], [self._generator(g) for g in groups], self.device)
+        drafted = sample(logits, batch).token_ids
+        cells = self._upload([g.req_slot for g in groups])
+        positions = self._upload([g.draft_index for g in groups])
+        self.next_token[cells] = drafted
+        self.draft_tokens[cells, positions] = drafted
+        if not batch.all_greedy:
+            self.draft_probs[cells, positions] = probabilities(logits, batch)
+
+    def _verify(self, group: RowGroup, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = group.num_rows - 1
+        candidates = self.draft_tokens[group.req_slot, :k]
+        if group.sample.is_greedy:
+            return greedy_verify(logits, candidates)
+        gen = self._generator(group)
+        batch = SamplingBatch.build([group.sample] * (k + 1), [gen] * (k + 1), self.device)
+        target = probabilities(logits, batch)
+        return speculative_sample(target, self.draft_probs[group.req_slot, :k], candidates, gen)
 
     def _rows(self, plan: Plan) -> "_Rows":
         token_ids, from_device, req_slots, positions, depths = [], [], [], [], []
-        hidden_slots, write_slots, plane_slots, enter_index, sample_rows = [], [], [], [], []
+        hidden_slots, write_slots, plane_slots, enter_index = [], [], [], []
+        offsets: dict[int, int] = {}
         for group in plan.groups:
             n = group.num_rows
             base = len(positions)
+            offsets[id(group)] = base
             if group.depth == 0:
                 enter_index.extend(range(base, base + n))
             token_ids.extend(group.token_ids if group.token_ids is not None else [0] * n)
@@ -166,14 +227,12 @@ class Runner:
             write_slots.extend(group.plane_slots[group.depth])
             if plan.adaptive_exit:
                 plane_slots.extend(zip(*group.plane_slots))
-            if group.sample is not None:
-                sample_rows.append(base + n - 1)
         up = self._upload
         return _Rows(
             token_ids=up(token_ids), from_device=up(from_device, torch.bool), req_slots=up(req_slots),
             positions=up(positions), depths=up(depths), hidden_slots=up(hidden_slots),
             write_slots=up(write_slots), plane_slots=up([list(p) for p in plane_slots]) if plane_slots else None,
-            enter_index=up(enter_index), entering=bool(enter_index), sample_rows=sample_rows,
+            enter_index=up(enter_index), entering=bool(enter_index), offsets=offsets,
         )
 
 
@@ -189,7 +248,7 @@ class _Rows:
     plane_slots: torch.Tensor | None  # [N, R] when adaptive exit is on
     enter_index: torch.Tensor
     entering: bool
-    sample_rows: list[int]
+    offsets: dict[int, int]  # id(group) -> its first row
 
 
 def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:

@@ -100,6 +100,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     return SampleOutput(token_ids, logprobs)
 
 
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[N, V] fp32: the distribution `sample` draws each row from (one-hot on greedy rows).
+
+    Speculative sampling needs it for both the draft (q) and the target (p)."""
+    probs = _filter(logits / batch.temperature[:, None], batch).softmax(dim=-1)
+    if batch.any_greedy:
+        one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
+        probs = torch.where(batch.greedy[:, None], one_hot, probs)
+    return probs
+
+
 def make_generator(seed: int | None, engine_seed: int, request_index: int,
                    device: torch.device | str) -> torch.Generator:
     """A request's generator: its own seed, or one derived from (engine seed, request index).

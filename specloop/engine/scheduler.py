@@ -22,6 +22,7 @@ from collections.abc import Callable
 from specloop.engine.kv_manager import KVManager
 from specloop.engine.plan import Plan, RowGroup
 from specloop.engine.request import Request, Status, new_incarnation
+from specloop.pipeline.block import BlockSpeculation
 
 
 class SlotPool:
@@ -45,12 +46,13 @@ class SlotPool:
 class Scheduler:
     def __init__(
         self, kv: KVManager, num_loops: int, max_rows: int, max_seqs: int, num_token_slots: int,
-        adaptive_exit: bool,
+        adaptive_exit: bool, speculation: BlockSpeculation | None = None,
     ) -> None:
         self.kv = kv
         self.num_loops = num_loops
         self.max_rows = max_rows
         self.adaptive_exit = adaptive_exit
+        self.speculation = speculation
         self.token_slots = SlotPool(num_token_slots)
         self.req_slots = SlotPool(max_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -114,6 +116,13 @@ class Scheduler:
         release: list[int] = []
         prefills: list[tuple[Request, int, int]] = []
         for req in self.running:
+            if req.speculating:
+                for group in self.speculation.groups(req, budget, self._make_group):
+                    groups.append(group)
+                    budget -= group.num_rows
+                    if group.depth == self.num_loops - 1:
+                        release.extend(group.hidden_slots)
+                continue
             frontiers = [self.kv.frontier(req.kv_key, d) for d in range(self.num_loops)]
             num_tokens = req.num_tokens
             for depth in range(self.num_loops - 1, 0, -1):
@@ -140,22 +149,41 @@ class Scheduler:
         return plan
 
     def _group(self, req: Request, depth: int, start: int, end: int, num_tokens: int, release: list[int]) -> RowGroup:
+        """A group of the dense path; the request's last row at full depth is sampled."""
+        group = self._make_group(req, depth, start, end)
+        if depth == self.num_loops - 1:
+            release.extend(group.hidden_slots)
+            if end == num_tokens and req.wants_more_samples:
+                group.sample = req.params
+                group.sample_index = req.produced
+                req.produced += 1
+                if self.speculation is not None:  # rounds take over from the first output token
+                    req.speculating = True
+                    self.speculation.start(req, base=end)
+                elif req.wants_more_samples:
+                    req.num_tokens += 1  # the sampled token's position exists from the next plan on
+        return group
+
+    def _make_group(self, req: Request, depth: int, start: int, end: int) -> RowGroup:
+        """Rows [start, end) of a request at one depth: token slots, KV slots, tables.
+
+        Rows entering depth 0 take token slots; rows finishing the last depth give theirs
+        back (the caller releases them once the plan's ticket completes).
+        """
         rid = req.kv_key
-        last_depth = depth == self.num_loops - 1
         if depth == 0:
             self.kv.ensure(rid, end)
             for pos in range(start, end):
                 req.hidden_slots[pos] = self.token_slots.take()
         hidden = [req.hidden_slots[p] for p in range(start, end)]
-        if last_depth:
-            release.extend(hidden)
+        if depth == self.num_loops - 1:
             for pos in range(start, end):
                 del req.hidden_slots[pos]
         self.kv.advance(rid, depth, end)
         prompt_len = len(req.prompt_ids)
         group = RowGroup(
-            request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, req_slot=req.req_slot, depth=depth,
-            start=start, end=end,
+            request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, req_slot=req.req_slot,
+            depth=depth, start=start, end=end,
             token_ids=req.prompt_ids[start:end] if depth == 0 and end <= prompt_len else None,
             hidden_slots=hidden,
             block_table=self.kv.block_table(rid, depth)[: -(-end // self.kv.block_size)],
@@ -163,9 +191,11 @@ class Scheduler:
         )
         if depth == 0 and group.token_ids is None and end - start != 1:
             raise AssertionError("generated tokens enter depth 0 one at a time")
-        if last_depth and end == num_tokens and req.wants_more_samples:
-            group.sample = req.params
-            group.sample_index = req.samples_scheduled
-            req.samples_scheduled += 1
-            req.num_tokens += 1  # the sampled token's position exists from the next plan on
         return group
+
+    def round_done(self, req: Request, num_accepted: int) -> None:
+        """A committed verification: roll back rejected positions, start the next round."""
+        next_base = req.round.base + num_accepted + 1
+        req.produced += num_accepted + 1
+        self.kv.truncate(req.kv_key, next_base)
+        self.speculation.start(req, next_base)

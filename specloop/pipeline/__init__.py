@@ -1,0 +1,1 @@
+"""Speculation: block self-speculation rounds and their device-side acceptance."""

@@ -1,0 +1,84 @@
+"""Block self-speculation rounds: the controller that plans them (plain Python, no torch).
+
+A round starts from the request's newest token t0 at position `base`, whose value sits in
+the device next-token cell. Draft: t0 runs loops 1..d and the head drafts c1; c1 runs
+loops 1..d and drafts c2; ... up to ck, which also runs loops 1..d (its shallow state and
+KV are needed for verification). Verify: the k+1 rows t0, c1..ck run loops d+1..R
+together, reusing the drafts' shallow hidden states and KV unchanged, and the head at full
+depth checks every candidate. The verification returns the accepted count n and the
+tokens c1..cn plus one correction (or bonus) token, which is the next round's t0.
+
+The next round needs n to know its positions, so a request waits for its verification to
+be committed before drafting again (other requests keep the device busy meanwhile); the
+rejected positions are rolled back in every plane then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from specloop.engine.plan import RowGroup
+from specloop.engine.request import Request
+
+MakeGroup = Callable[[Request, int, int, int], RowGroup]  # (request, depth, start, end) -> group
+
+
+@dataclasses.dataclass
+class Round:
+    base: int  # position of t0
+    k: int  # candidates drafted this round
+    row: int = 0  # the row (0..k) in its draft pass
+    depth: int = 0  # next depth of that row, or of all rows while verifying
+    verifying: bool = False
+    submitted: bool = False  # the verification is in flight: wait for its commit
+
+    @property
+    def num_rows(self) -> int:
+        return self.k + 1
+
+
+class BlockSpeculation:
+    def __init__(self, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> None:
+        if not 1 <= draft_loops < num_loops:
+            raise ValueError(f"draft_loops must lie in 1..{num_loops - 1}, got {draft_loops}")
+        self.num_loops = num_loops
+        self.draft_loops = draft_loops
+        self.k = num_speculative_tokens
+
+    def start(self, req: Request, base: int) -> None:
+        """Begin a round at `base` if the request may still produce a token."""
+        remaining = req.params.max_tokens - req.produced
+        req.round = Round(base=base, k=min(self.k, remaining - 1)) if remaining > 0 else None
+
+    def groups(self, req: Request, budget: int, make_group: MakeGroup) -> list[RowGroup]:
+        """This plan's group for a request in a round (at most one), within `budget` rows."""
+        rnd: Round | None = req.round
+        if rnd is None or rnd.submitted:
+            return []
+        if not rnd.verifying:
+            if budget < 1:
+                return []
+            pos = rnd.base + rnd.row
+            group = make_group(req, rnd.depth, pos, pos + 1)
+            if rnd.depth == self.draft_loops - 1 and rnd.row < rnd.k:
+                group.sample, group.draft_index = req.params, rnd.row
+            rnd.depth += 1
+            if rnd.depth == self.draft_loops:
+                rnd.row, rnd.depth = rnd.row + 1, 0
+                if rnd.row > rnd.k:
+                    rnd.verifying, rnd.depth = True, self.draft_loops
+            return [group]
+        if budget < rnd.num_rows:
+            return []
+        group = make_group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows)
+        if rnd.depth == self.num_loops - 1:
+            group.sample, group.verify, group.sample_index = req.params, True, req.produced
+            rnd.submitted = True
+        rnd.depth += 1
+        return [group]
+
+    def accepted(self, req: Request, num_accepted: int) -> int:
+        """After a committed verification: the position the next round starts at."""
+        rnd: Round = req.round
+        return rnd.base + num_accepted + 1
