@@ -96,11 +96,32 @@ def _run_generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
+                   help="the model's name in the API (default: --model as given)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    from server.main import ServeOptions, serve
+
+    serve(ServeOptions(args.model, engine_options(args), args.host, args.port, args.served_model_name,
+                              args.log_level, args.shutdown_timeout))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specloop", description="Serving runtime for looped language models")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_random_checkpoint(sub)
     _add_generate(sub)
+    _add_serve(sub)
     return parser
 
 

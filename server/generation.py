@@ -1,0 +1,124 @@
+"""One HTTP request's engine work: its jobs (one engine request per choice) as one stream.
+
+`Generation.start()` submits every job and waits for each one's first output, so a refusal
+(invalid prompt, full queue) raises before any byte of the response is sent and becomes a
+proper HTTP status. After that the jobs' outputs are merged, in arrival order, into one
+async iterator of `(choice index, RequestOutput)`.
+
+Lifetimes: every engine stream is consumed by a pump task; `close()` cancels the pumps, and
+`AsyncEngine.generate` aborts a request whose stream is left early, which frees its KV.
+`close()` does not await, so it is safe inside a cancelled scope (a client that left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from server.metrics import RequestTimer, ServerMetrics
+from server.params import Job
+from specloop.engine.async_engine import AsyncEngine
+from specloop.engine.request import RequestOutput, Usage
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response started."""
+
+
+class Generation:
+    def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str, metrics: ServerMetrics) -> None:
+        self.jobs = jobs
+        self._streams = [engine.generate(j.prompt, j.params, request_id=f"{request_id}-{j.index}") for j in jobs]
+        self._timers: list[RequestTimer] = [metrics.track() for _ in jobs]
+        self._usage: dict[int, Usage] = {}
+        self._first: list[tuple[int, RequestOutput]] = []
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._open = 0
+
+    async def start(self) -> None:
+        """Submit every job and wait for its first output; raise the engine's refusal, if any."""
+        firsts = await asyncio.gather(*(anext(s) for s in self._streams), return_exceptions=True)
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None:
+            for stream, first in zip(self._streams, firsts):
+                if not isinstance(first, BaseException):
+                    await stream.aclose()  # aborts the ones that were admitted
+            self._close_timers()
+            raise failure
+        for job, stream, first in zip(self.jobs, self._streams, firsts):
+            self._first.append((job.index, first))
+            if not first.finished:
+                self._open += 1
+                self._pumps.append(asyncio.create_task(self._pump(job.index, stream)))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        for index, out in self._first:
+            yield index, self._observe(index, out)
+        while self._open:
+            index, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self._open -= 1
+            yield index, self._observe(index, item)
+
+    async def collect(self) -> list[tuple[int, RequestOutput]]:
+        try:
+            return [item async for item in self]
+        finally:
+            self.close()
+
+    @property
+    def usage(self) -> Usage:
+        """Prompt and completion tokens over every choice (as last reported)."""
+        return Usage(sum(u.prompt_tokens for u in self._usage.values()),
+                     sum(u.completion_tokens for u in self._usage.values()))
+
+    def close(self) -> None:
+        """Abort whatever is still running (the pumps' engine streams abort when cancelled)."""
+        for task in self._pumps:
+            task.cancel()
+        self._close_timers()
+
+    def _observe(self, index: int, out: RequestOutput) -> RequestOutput:
+        self._timers[index].observe(out)
+        self._usage[index] = out.usage
+        return out
+
+    def _close_timers(self) -> None:
+        for timer in self._timers:
+            timer.close()
+
+    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait((index, out))
+        except Exception as exc:  # the engine died: hand the error to the reader
+            self._queue.put_nowait((index, exc))
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first; then cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
