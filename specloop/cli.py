@@ -54,6 +54,9 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "max_model_len": (int, "context length limit"),
     "max_waiting_requests": (int, "bounded waiting queue"),
     "exit_threshold": (float, "Q-exit threshold (1.0: every loop)"),
+    "speculation": (str, "none or block (block self-speculation)"),
+    "draft_loops": (int, "draft depth d for speculation (1..loops-1, default 2)"),
+    "num_speculative_tokens": (int, "candidates drafted per speculation round (default 4)"),
 }
 
 

@@ -66,7 +66,8 @@ class Runner:
         self._generators: dict[int, tuple[int, torch.Generator]] = {}  # req slot -> (arrival, gen)
         k = num_speculative_tokens  # each request's drafted candidates and their distributions
         self.draft_tokens = torch.zeros(max_seqs, max(k, 1), dtype=torch.long, device=self.device)
-        self.draft_probs = torch.zeros(max_seqs if k else 0, max(k, 1), cfg.vocab_size, device=self.device)
+        self.draft_probs = torch.zeros(max_seqs if k else 0, max(k, 1), cfg.vocab_size, device=self.device,
+                                       dtype=torch.promote_types(model.dtype, torch.float32))
         self._pin = self.device.type == "cuda"
 
     def _upload(self, values: list[int] | list[bool], dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -71,7 +71,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-            slots = list(req.hidden_slots.values())
+            slots = list(req.hidden_slots.values()) + BlockSpeculation.unused_slots(req)
             rid, req_slot = req.kv_key, req.req_slot
             self._defer(lambda: (self.kv.free(rid), self.token_slots.give(slots), self.req_slots.give([req_slot])))
         req.status = Status.FINISHED
@@ -117,7 +117,7 @@ class Scheduler:
         prefills: list[tuple[Request, int, int]] = []
         for req in self.running:
             if req.speculating:
-                for group in self.speculation.groups(req, budget, self._make_group):
+                for group in self.speculation.groups(req, budget, self._make_group, self._take_slots):
                     groups.append(group)
                     budget -= group.num_rows
                     if group.depth == self.num_loops - 1:
@@ -164,17 +164,22 @@ class Scheduler:
                     req.num_tokens += 1  # the sampled token's position exists from the next plan on
         return group
 
-    def _make_group(self, req: Request, depth: int, start: int, end: int) -> RowGroup:
+    def _take_slots(self, n: int) -> list[int] | None:
+        return [self.token_slots.take() for _ in range(n)] if self.token_slots.num_free >= n else None
+
+    def _make_group(self, req: Request, depth: int, start: int, end: int, slots: list[int] | None = None) -> RowGroup:
         """Rows [start, end) of a request at one depth: token slots, KV slots, tables.
 
-        Rows entering depth 0 take token slots; rows finishing the last depth give theirs
-        back (the caller releases them once the plan's ticket completes).
+        Rows entering depth 0 take token slots (`slots` when the caller took them
+        already); rows finishing the last depth give theirs back (the caller releases
+        them once the plan's ticket completes).
         """
         rid = req.kv_key
         if depth == 0:
             self.kv.ensure(rid, end)
-            for pos in range(start, end):
-                req.hidden_slots[pos] = self.token_slots.take()
+            taken = slots if slots is not None else [self.token_slots.take() for _ in range(start, end)]
+            for pos, slot in zip(range(start, end), taken):
+                req.hidden_slots[pos] = slot
         hidden = [req.hidden_slots[p] for p in range(start, end)]
         if depth == self.num_loops - 1:
             for pos in range(start, end):

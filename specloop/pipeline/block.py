@@ -21,7 +21,8 @@ from collections.abc import Callable
 from specloop.engine.plan import RowGroup
 from specloop.engine.request import Request
 
-MakeGroup = Callable[[Request, int, int, int], RowGroup]  # (request, depth, start, end) -> group
+MakeGroup = Callable[[Request, int, int, int, list[int] | None], RowGroup]  # (request, depth, start, end, slots)
+TakeSlots = Callable[[int], list[int] | None]  # n token slots at once, or None if fewer are free
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class Round:
     depth: int = 0  # next depth of that row, or of all rows while verifying
     verifying: bool = False
     submitted: bool = False  # the verification is in flight: wait for its commit
+    slots: list[int] | None = None  # token slots of rows not yet drafted (all k+1 taken at the start)
 
     @property
     def num_rows(self) -> int:
@@ -51,16 +53,23 @@ class BlockSpeculation:
         remaining = req.params.max_tokens - req.produced
         req.round = Round(base=base, k=min(self.k, remaining - 1)) if remaining > 0 else None
 
-    def groups(self, req: Request, budget: int, make_group: MakeGroup) -> list[RowGroup]:
-        """This plan's group for a request in a round (at most one), within `budget` rows."""
+    def groups(self, req: Request, budget: int, make_group: MakeGroup, take_slots: TakeSlots) -> list[RowGroup]:
+        """This plan's group for a request in a round (at most one), within `budget` rows.
+
+        A round takes the token slots of all its rows when it starts, so a round never
+        holds some slots while waiting for others (no deadlock when slots run short).
+        """
         rnd: Round | None = req.round
         if rnd is None or rnd.submitted:
             return []
         if not rnd.verifying:
-            if budget < 1:
+            if rnd.slots is None and rnd.row == 0 and rnd.depth == 0:
+                rnd.slots = take_slots(rnd.num_rows)
+            if budget < 1 or rnd.slots is None:
                 return []
             pos = rnd.base + rnd.row
-            group = make_group(req, rnd.depth, pos, pos + 1)
+            entering = [rnd.slots.pop(0)] if rnd.depth == 0 else None
+            group = make_group(req, rnd.depth, pos, pos + 1, entering)
             if rnd.depth == self.draft_loops - 1 and rnd.row < rnd.k:
                 group.sample, group.draft_index = req.params, rnd.row
             rnd.depth += 1
@@ -71,14 +80,15 @@ class BlockSpeculation:
             return [group]
         if budget < rnd.num_rows:
             return []
-        group = make_group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows)
+        group = make_group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, None)
         if rnd.depth == self.num_loops - 1:
             group.sample, group.verify, group.sample_index = req.params, True, req.produced
             rnd.submitted = True
         rnd.depth += 1
         return [group]
 
-    def accepted(self, req: Request, num_accepted: int) -> int:
-        """After a committed verification: the position the next round starts at."""
-        rnd: Round = req.round
-        return rnd.base + num_accepted + 1
+    @staticmethod
+    def unused_slots(req: Request) -> list[int]:
+        """Token slots a round took for rows it has not drafted yet (to return on abort)."""
+        rnd: Round | None = req.round
+        return list(rnd.slots) if rnd is not None and rnd.slots else []
