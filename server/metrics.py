@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from specloop.engine.async_engine import AsyncEngine
@@ -99,12 +99,12 @@ class RequestTimer:
 
 
 class _EngineCollector(Collector):
-    """Scheduler and KV gauges from the engine's last published stats."""
+    """Scheduler and KV gauges, and speculation counters, from the engine's last published stats."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         s = self._engine.stats()
         yield GaugeMetricFamily("specloop_num_requests_running", "Requests being computed.", s.running)
         yield GaugeMetricFamily("specloop_num_requests_waiting", "Requests in the waiting queue.", s.waiting)
@@ -114,3 +114,13 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("specloop_kv_cache_pages", "KV pages in the pool.", s.num_kv_pages)
         yield GaugeMetricFamily("specloop_engine_alive", "1 while the engine serves, 0 once it stopped.",
                                 1.0 if self._engine.is_alive else 0.0)
+        yield CounterMetricFamily("specloop_spec_decode_num_drafts", "Speculation rounds committed.", s.num_drafts)
+        yield CounterMetricFamily("specloop_spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                  s.num_draft_tokens)
+        yield CounterMetricFamily("specloop_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                  s.num_accepted_tokens)
+        per_position = CounterMetricFamily("specloop_spec_decode_num_accepted_tokens_per_pos",
+                                           "Rounds whose draft at this position was accepted.", labels=["position"])
+        for position, count in enumerate(s.accepted_per_position):
+            per_position.add_metric([str(position)], count)
+        yield per_position

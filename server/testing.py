@@ -47,6 +47,10 @@ class ServerProcess:
         self._wait_healthy()
         return self
 
+    def send_signal(self, sig: int) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(sig)
+
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
         """Signal the server and wait for it to exit; returns the exit status."""
         assert self._proc is not None
