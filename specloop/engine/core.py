@@ -30,6 +30,7 @@ from specloop.engine.runner import Runner
 from specloop.engine.sampling_params import SamplingParams
 from specloop.engine.scheduler import Scheduler
 from specloop.errors import ConfigError, InvalidRequestError, SpecloopError
+from specloop.model.ouro import OuroModel
 from specloop.pipeline.block import BlockSpeculation
 from specloop.pipeline.metrics import SpeculationMetrics
 
@@ -55,11 +56,12 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: OuroModel | None = None, tokenizer: Any = None) -> None:
+        """`model` / `tokenizer`: already loaded from `config.model` (benchmarks reuse them)."""
         self.config = config
         device = torch.device(_resolve_device(config.device))
-        self.model, _ = load_model(config.model, dtype=config.dtype, device=device)
-        self.tokenizer = load_tokenizer(config.model)
+        self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=device)[0]
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         mcfg = self.model.config
         self.stop_ids = frozenset(stop_token_ids(mcfg, self.tokenizer))
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)

@@ -52,6 +52,8 @@ class Ticket:
 class Executor:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
+        self.num_submitted = 0  # forward calls so far
 
     def submit(self, plan: Plan) -> Ticket:
+        self.num_submitted += 1
         return Ticket(self.runner.execute(plan))

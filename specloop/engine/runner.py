@@ -19,6 +19,7 @@ from specloop.engine.sampler import SamplingBatch, make_generator, probabilities
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.acceptance import greedy_verify, speculative_sample
+from specloop.pipeline.replay import AcceptanceReplay
 
 
 @dataclasses.dataclass
@@ -69,6 +70,7 @@ class Runner:
         self.draft_probs = torch.zeros(max_seqs if k else 0, max(k, 1), cfg.vocab_size, device=self.device,
                                        dtype=torch.promote_types(model.dtype, torch.float32))
         self._pin = self.device.type == "cuda"
+        self.replay: AcceptanceReplay | None = None  # benchmarks only: forced verification outcomes
 
     def _upload(self, values: list[int] | list[bool], dtype: torch.dtype = torch.long) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
@@ -202,6 +204,10 @@ class Runner:
     def _verify(self, group: RowGroup, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = group.num_rows - 1
         candidates = self.draft_tokens[group.req_slot, :k]
+        if self.replay is not None:  # benchmark: force the recorded outcome (a host value, no sync)
+            n = self.replay.next_accepted(k)
+            forced = torch.cat([candidates[:n], logits[n].argmax().view(1), candidates.new_zeros(k - n)])
+            return torch.full((), n + 1, dtype=torch.long, device=self.device), forced
         if group.sample.is_greedy:
             return greedy_verify(logits, candidates)
         gen = self._generator(group)

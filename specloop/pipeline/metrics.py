@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+
 from specloop.engine.request import Request
+
+TRACE_ROUNDS = 100_000  # recent rounds' accepted counts kept for benchmarks (replay traces)
 
 
 class SpeculationMetrics:
@@ -12,12 +16,14 @@ class SpeculationMetrics:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * max_drafts  # rounds whose candidate i (0-based) was accepted
         self.drafted_per_position = [0] * max_drafts  # rounds that drafted a candidate i
+        self.accepted_trace: collections.deque[int] = collections.deque(maxlen=TRACE_ROUNDS)
 
     def record_round(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         for m in (self, req):
             m.num_drafts += 1
             m.num_draft_tokens += num_drafts
             m.num_accepted_tokens += num_accepted
+        self.accepted_trace.append(num_accepted)
         for i in range(num_drafts):
             self.drafted_per_position[i] += 1
         for i in range(num_accepted):
