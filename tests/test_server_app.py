@@ -81,6 +81,24 @@ async def test_two_apps_in_one_process_have_their_own_metrics(engine):
         assert "specloop_generation_tokens_total 0.0" in (await second.get("/metrics")).text
 
 
+async def test_chat_logprobs_and_streamed_batch_prompts(engine):
+    async with client_for(engine) as client:
+        chat = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logprobs": True})
+        content = chat.json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 3 and all(c["logprob"] <= 0 and c["top_logprobs"] == [] for c in content)
+        reply = await client.post("/v1/completions", json={
+            "prompt": ["ab", "cde"], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}})
+        events = events_of(reply.text)
+        assert events[-1] == "[DONE]" and events[-2]["usage"] == {
+            "prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+        for index in (0, 1):
+            mine = [c["choices"][0] for c in events[:-2] if c["choices"][0]["index"] == index]
+            assert sum(len(c["token_ids"]) for c in mine) == 3 and mine[-1]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("body,kind,param", [
     (b'{"prompt": "x", "max_tokens": "5"}', CompletionRequest, "max_tokens"),
     (b'{"max_tokens": 5}', CompletionRequest, "prompt"),
