@@ -12,7 +12,7 @@ from typing import Any
 
 from specloop.errors import ConfigError
 
-SPECULATION_MODES = ("none", "block")
+SPECULATION_MODES = ("none", "block", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # bounded FCFS queue; more is rejected
     exit_threshold: float | None = None  # Q-exit threshold; None: the checkpoint's
     max_inflight_tickets: int = 2  # tickets submitted before the oldest is committed
-    speculation: str = "none"  # none | block (block self-speculation)
+    speculation: str = "none"  # none | block (self-speculation rounds) | pipeline (token pipelines)
     draft_loops: int = 2  # draft depth d: loops 1..d draft, d+1..R verify
     num_speculative_tokens: int = 4  # block size k: drafts per round
 

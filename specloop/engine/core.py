@@ -33,6 +33,7 @@ from specloop.errors import ConfigError, InvalidRequestError, SpecloopError
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.block import BlockSpeculation
 from specloop.pipeline.metrics import SpeculationMetrics
+from specloop.pipeline.token_pipeline import TokenPipeline
 
 log = logging.getLogger(__name__)
 CPU_KV_BYTES = 1 << 30  # default KV budget on CPU
@@ -72,18 +73,23 @@ class EngineCore:
         rows = config.max_num_batched_tokens
         num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
         speculation = None
+        if config.speculation != "none" and not 1 <= config.draft_loops < mcfg.num_loops:
+            raise ConfigError(f"draft_loops must lie in 1..{mcfg.num_loops - 1} for a {mcfg.num_loops}-loop "
+                              f"model, got {config.draft_loops}")
+        draft_width = 0
         if config.speculation == "block":
-            if not 1 <= config.draft_loops < mcfg.num_loops:
-                raise ConfigError(f"draft_loops must lie in 1..{mcfg.num_loops - 1} for a {mcfg.num_loops}-loop "
-                                  f"model, got {config.draft_loops}")
             speculation = BlockSpeculation(mcfg.num_loops, config.draft_loops, config.num_speculative_tokens)
+            draft_width = config.num_speculative_tokens
+        elif config.speculation == "pipeline":
+            speculation = TokenPipeline(mcfg.num_loops, config.draft_loops)
+            draft_width = speculation.width
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation)
         self.executor = Executor(Runner(self.model, num_pages, config.block_size, num_token_slots,
                                         config.max_num_seqs, threshold, config.seed,
-                                        config.num_speculative_tokens if speculation else 0))
-        self.metrics = SpeculationMetrics(config.num_speculative_tokens)
+                                        draft_width))
+        self.metrics = SpeculationMetrics(max(draft_width, 1))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inflight: collections.deque[Ticket] = collections.deque()
@@ -182,10 +188,10 @@ class EngineCore:
                 continue  # stale: the request ended or its ID was reused
             assert res.record.sample_index == len(req.output_ids), "samples commit in order"
             if res.record.num_drafts >= 0:
-                self.metrics.record_round(req, res.record.num_drafts, len(res.tokens) - 1)
+                self.metrics.record_round(req, res.record.num_drafts, res.accepted)
             outputs.append(self._accept(req, res.tokens, res.logprobs))
-            if not outputs[-1].finished and res.record.num_drafts >= 0:
-                self.scheduler.round_done(req, len(res.tokens) - 1)
+            if not outputs[-1].finished and res.record.controlled:
+                self.scheduler.committed(req, res.accepted)
         return outputs
 
     def _accept(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:

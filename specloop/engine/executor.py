@@ -18,6 +18,7 @@ from specloop.engine.runner import Runner, SampleRecord, TicketOutput
 class SampleResult:
     record: SampleRecord
     tokens: list[int]  # emitted in order: one for a plain sample, accepted + 1 for a verification
+    accepted: int  # candidates accepted
     logprobs: list[float] | None
 
 
@@ -43,10 +44,10 @@ class Ticket:
             out.event.synchronize()
         if out.tokens is None:
             return []
-        tokens, counts = out.tokens.tolist(), out.counts.tolist()
+        tokens, counts, accepted = out.tokens.tolist(), out.counts.tolist(), out.accepted.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
-        return [SampleResult(r, t[:c], lp[:c] if lp is not None else None)
-                for r, t, c, lp in zip(out.samples, tokens, counts, logprobs)]
+        return [SampleResult(r, t[:c], a, lp[:c] if lp is not None else None)
+                for r, t, c, a, lp in zip(out.samples, tokens, counts, accepted, logprobs)]
 
 
 class Executor:

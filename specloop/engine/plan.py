@@ -35,6 +35,8 @@ class RowGroup:
     sample_index: int = -1  # which sample of the request this is (0-based)
     draft_index: int = -1  # >= 0: a draft sample (block speculation): candidate number
     verify: bool = False  # the group's rows are a speculation round's verification
+    candidate_index: int = -1  # >= 0: verify the single candidate there (token pipeline)
+    controlled: bool = False  # the speculation controller must see this sample's commit
 
     @property
     def num_rows(self) -> int:

@@ -18,7 +18,7 @@ from specloop.engine.plan import Plan, RowGroup
 from specloop.engine.sampler import SamplingBatch, make_generator, probabilities, sample
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
-from specloop.pipeline.acceptance import greedy_verify, speculative_sample
+from specloop.pipeline.acceptance import greedy_verify, speculative_sample, verify_single
 from specloop.pipeline.replay import AcceptanceReplay
 
 
@@ -28,6 +28,7 @@ class SampleRecord:
     incarnation: int
     sample_index: int
     num_drafts: int  # -1: a plain sample; else a verification of this many candidates
+    controlled: bool  # the speculation controller must see the commit
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class TicketOutput:
     samples: list[SampleRecord]
     tokens: torch.Tensor | None  # [S, W] long on the host
     counts: torch.Tensor | None  # [S] long on the host
+    accepted: torch.Tensor | None  # [S] long on the host: candidates accepted (0 for plain samples)
     logprobs: torch.Tensor | None  # [S, W] fp32 on the host
     event: torch.cuda.Event | None  # None on CPU: already complete
 
@@ -65,7 +67,7 @@ class Runner:
         self.slot_exited = torch.zeros(num_token_slots, dtype=torch.bool, device=self.device)
         self.next_token = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         self._generators: dict[int, tuple[int, torch.Generator]] = {}  # req slot -> (arrival, gen)
-        k = num_speculative_tokens  # each request's drafted candidates and their distributions
+        k = num_speculative_tokens  # draft buffer width: block size, or R for token pipelines
         self.draft_tokens = torch.zeros(max_seqs, max(k, 1), dtype=torch.long, device=self.device)
         self.draft_probs = torch.zeros(max_seqs if k else 0, max(k, 1), cfg.vocab_size, device=self.device,
                                        dtype=torch.promote_types(model.dtype, torch.float32))
@@ -148,12 +150,13 @@ class Runner:
             self._draft(plan.drafts, rows, out)
         groups = plan.samples
         if not groups:
-            return TicketOutput(plan, [], None, None, None, None)
+            return TicketOutput(plan, [], None, None, None, None, None)
         width = max(g.num_rows if g.verify else 1 for g in groups)
         tokens = torch.zeros(len(groups), width, dtype=torch.long, device=self.device)
         logprobs = torch.zeros(len(groups), width, dtype=torch.promote_types(self.model.dtype, torch.float32),
                                device=self.device)
         counts = torch.ones(len(groups), dtype=torch.long, device=self.device)
+        accepted = torch.zeros(len(groups), dtype=torch.long, device=self.device)
         plain = [i for i, g in enumerate(groups) if not g.verify]
         if plain:  # one head and one sampling call for every plain sample of the plan
             index = self._upload([rows.offsets[id(groups[i])] + groups[i].num_rows - 1 for i in plain])
@@ -170,23 +173,33 @@ class Runner:
                 continue
             first = rows.offsets[id(group)]
             logits = self.model.head(out[first : first + group.num_rows])
-            count, emitted = self._verify(group, logits)
             cell = group.req_slot
-            self.next_token[cell : cell + 1] = emitted.gather(0, (count - 1).view(1))
-            tokens[i, : group.num_rows] = emitted
-            logprobs[i, : group.num_rows] = torch.log_softmax(logits, dim=-1).gather(1, emitted[:, None]).squeeze(1)
-            counts[i] = count
+            if group.candidate_index >= 0:  # token pipeline: one candidate, no bonus
+                ok, emitted = self._verify_single(group, logits[0])
+                # accepted: the cell keeps the newest draft; rejected: restart from the correction
+                self.next_token[cell : cell + 1] = torch.where(ok.bool(), self.next_token[cell], emitted).view(1)
+                emitted = emitted.view(1)
+                accepted[i] = ok
+            else:
+                count, emitted = self._verify(group, logits)
+                self.next_token[cell : cell + 1] = emitted.gather(0, (count - 1).view(1))
+                counts[i] = count
+                accepted[i] = count - 1
+            n = emitted.shape[0]
+            tokens[i, :n] = emitted
+            logprobs[i, :n] = torch.log_softmax(logits[:n], dim=-1).gather(1, emitted[:, None]).squeeze(1)
         event = None
         host_tokens = _to_host(tokens, self._pin)
         host_counts = _to_host(counts, self._pin)
+        host_accepted = _to_host(accepted, self._pin)
         want_logprobs = any(g.sample.logprobs for g in groups)
         host_logprobs = _to_host(logprobs, self._pin) if want_logprobs else None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        records = [SampleRecord(g.request_id, g.incarnation, g.sample_index, g.num_rows - 1 if g.verify else -1)
+        records = [SampleRecord(g.request_id, g.incarnation, g.sample_index, _num_drafts(g), g.controlled)
                    for g in groups]
-        return TicketOutput(plan, records, host_tokens, host_counts, host_logprobs, event)
+        return TicketOutput(plan, records, host_tokens, host_counts, host_accepted, host_logprobs, event)
 
     def _draft(self, groups: list[RowGroup], rows: "_Rows", out: torch.Tensor) -> None:
         """Draft samples: the candidate goes to the next-token cell and the draft buffer."""
@@ -200,6 +213,14 @@ class Runner:
         self.draft_tokens[cells, positions] = drafted
         if not batch.all_greedy:
             self.draft_probs[cells, positions] = probabilities(logits, batch)
+
+    def _verify_single(self, group: RowGroup, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        candidate = self.draft_tokens[group.req_slot, group.candidate_index]
+        if group.sample.is_greedy:
+            return verify_single(logits, candidate)
+        gen = self._generator(group)
+        target = probabilities(logits[None], SamplingBatch.build([group.sample], [gen], self.device))[0]
+        return verify_single(logits, candidate, target, self.draft_probs[group.req_slot, group.candidate_index], gen)
 
     def _verify(self, group: RowGroup, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = group.num_rows - 1
@@ -256,6 +277,12 @@ class _Rows:
     enter_index: torch.Tensor
     entering: bool
     offsets: dict[int, int]  # id(group) -> its first row
+
+
+def _num_drafts(group: RowGroup) -> int:
+    if not group.verify:
+        return -1
+    return 1 if group.candidate_index >= 0 else group.num_rows - 1
 
 
 def _to_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:

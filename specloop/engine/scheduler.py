@@ -22,7 +22,8 @@ from collections.abc import Callable
 from specloop.engine.kv_manager import KVManager
 from specloop.engine.plan import Plan, RowGroup
 from specloop.engine.request import Request, Status, new_incarnation
-from specloop.pipeline.block import BlockSpeculation
+from specloop.pipeline.block import BlockSpeculation, unused_slots
+from specloop.pipeline.token_pipeline import TokenPipeline
 
 
 class SlotPool:
@@ -46,7 +47,7 @@ class SlotPool:
 class Scheduler:
     def __init__(
         self, kv: KVManager, num_loops: int, max_rows: int, max_seqs: int, num_token_slots: int,
-        adaptive_exit: bool, speculation: BlockSpeculation | None = None,
+        adaptive_exit: bool, speculation: BlockSpeculation | TokenPipeline | None = None,
     ) -> None:
         self.kv = kv
         self.num_loops = num_loops
@@ -71,7 +72,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-            slots = list(req.hidden_slots.values()) + BlockSpeculation.unused_slots(req)
+            slots = list(req.hidden_slots.values()) + unused_slots(req)
             rid, req_slot = req.kv_key, req.req_slot
             self._defer(lambda: (self.kv.free(rid), self.token_slots.give(slots), self.req_slots.give([req_slot])))
         req.status = Status.FINISHED
@@ -198,9 +199,12 @@ class Scheduler:
             raise AssertionError("generated tokens enter depth 0 one at a time")
         return group
 
-    def round_done(self, req: Request, num_accepted: int) -> None:
-        """A committed verification: roll back rejected positions, start the next round."""
-        next_base = req.round.base + num_accepted + 1
-        req.produced += num_accepted + 1
-        self.kv.truncate(req.kv_key, next_base)
-        self.speculation.start(req, next_base)
+    def committed(self, req: Request, accepted: int) -> None:
+        """A committed verification of a speculating request: roll back rejected positions
+        in every plane and free flushed tokens' slots; the controller plans what follows."""
+        keep, flushed = self.speculation.committed(req, accepted)
+        slots = [req.hidden_slots.pop(p) for p in flushed if p in req.hidden_slots]
+        if slots:
+            self._defer(lambda: self.token_slots.give(slots))
+        if keep is not None:
+            self.kv.truncate(req.kv_key, keep)

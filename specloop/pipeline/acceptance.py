@@ -56,3 +56,29 @@ def speculative_sample(
     padded = torch.cat([candidates, candidates.new_zeros(1)])
     tokens = torch.where(index < accepted, padded, extra)
     return accepted + 1, tokens
+
+
+def verify_single(
+    target_logits: torch.Tensor, candidate: torch.Tensor, target_probs: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check one candidate (a token pipeline's oldest live token verifies the next).
+
+    target_logits [V] is the full-depth prediction for the candidate's position. Greedy
+    (no `target_probs`): accept when the argmax equals the candidate. Sampled: accept with
+    probability min(1, p(c)/q(c)), else draw from norm(max(0, p - q)). Returns
+    (accepted 0/1, token): the candidate when accepted, else the correction.
+    """
+    if target_probs is None:
+        predicted = target_logits.argmax()
+        accepted = (predicted == candidate).long()
+        return accepted, torch.where(accepted.bool(), candidate, predicted)
+    p, q = target_probs, draft_probs
+    u = torch.rand((), generator=generator, device=p.device)
+    accepted = (u * q[candidate] <= p[candidate]).long()
+    residual = (p - q).clamp(min=0.0)
+    mass = residual.sum()
+    dist = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+    noise = torch.rand(dist.shape[0], generator=generator, device=p.device).clamp_(min=torch.finfo(torch.float32).tiny)
+    correction = (dist.log() - torch.log(-torch.log(noise))).argmax()
+    return accepted, torch.where(accepted.bool(), candidate, correction)

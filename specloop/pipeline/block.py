@@ -83,12 +83,20 @@ class BlockSpeculation:
         group = make_group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, None)
         if rnd.depth == self.num_loops - 1:
             group.sample, group.verify, group.sample_index = req.params, True, req.produced
+            group.controlled = True
             rnd.submitted = True
         rnd.depth += 1
         return [group]
 
-    @staticmethod
-    def unused_slots(req: Request) -> list[int]:
-        """Token slots a round took for rows it has not drafted yet (to return on abort)."""
-        rnd: Round | None = req.round
-        return list(rnd.slots) if rnd is not None and rnd.slots else []
+    def committed(self, req: Request, accepted: int) -> tuple[int, list[int]]:
+        """After the verification committed: (positions to keep, flushed positions); next round."""
+        next_base = req.round.base + accepted + 1
+        req.produced += accepted + 1
+        self.start(req, next_base)
+        return next_base, []
+
+
+def unused_slots(req: Request) -> list[int]:
+    """Token slots a round took for rows it has not drafted yet (to return on abort)."""
+    slots = getattr(req.round, "slots", None)
+    return list(slots) if slots else []
