@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--modes", default="block,pipeline")
     p.add_argument("--ks", default="1,2,4,8")
     p.add_argument("--ds", default="1,2,3")
     p.add_argument("--temperatures", default="0,0.8")
@@ -86,7 +87,7 @@ def main() -> None:
     p.add_argument("--trace-out", help="write per-case accepted-count traces (for --replay)")
     p.add_argument("--replay", help="force verification outcomes from this trace file (label: replayed)")
     p.add_argument("--plot", help="only draw the PNG for this result file")
-    p.add_argument("--kv-cache-bytes", type=int, default=4 << 30)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV pool per engine")
     args = p.parse_args()
     if args.plot:
         plot(Path(args.plot))
@@ -118,28 +119,31 @@ def main() -> None:
         cases.append({"mode": "none", "temperature": temp, **base, "speedup": 1.0,
                       "tokens_per_forward": base["output_tokens"] / base["forwards"]})
         print(f"T={temp} none: {base['ms_per_token']:.2f} ms/token", flush=True)
-        for d in ds:
-            for k in ks:
-                eng = engine(speculation="block", draft_loops=d, num_speculative_tokens=k)
-                key = f"d{d}_k{k}_t{temp}"
-                run_case(eng, prompts[:1], warm, sync)
-                if traces_in is not None:
-                    eng.executor.runner.replay = AcceptanceReplay(traces_in[key])
-                eng.metrics = type(eng.metrics)(k)  # count the measured run only
-                res = run_case(eng, prompts, params, sync)
-                m = eng.metrics
-                traces[key] = list(m.accepted_trace)
-                per_pos = [a / n if n else None for a, n in zip(m.accepted_per_position, m.drafted_per_position)]
-                case = {"mode": "block", "temperature": temp, "draft_loops": d, "k": k, **res,
-                        "acceptance_rate": res["accepted"] / res["drafted"] if res["drafted"] else 0.0,
-                        "mean_acceptance_length": (res["accepted"] + res["rounds"]) / res["rounds"],
-                        "per_position_acceptance": per_pos,
-                        "tokens_per_forward": res["output_tokens"] / res["forwards"],
-                        "speedup": base["ms_per_token"] / res["ms_per_token"]}
-                cases.append(case)
-                print(f"T={temp} d={d} k={k}: accept {case['acceptance_rate']:.2f}, MAL "
-                      f"{case['mean_acceptance_length']:.2f}, tok/fwd {case['tokens_per_forward']:.2f}, "
-                      f"speedup {case['speedup']:.2f}", flush=True)
+        settings = [("block", d, k) for d in ds for k in ks] if "block" in args.modes else []
+        settings += [("pipeline", d, None) for d in ds] if "pipeline" in args.modes else []
+        for mode, d, k in settings:
+            spec = {"num_speculative_tokens": k} if k else {}
+            eng = engine(speculation=mode, draft_loops=d, **spec)
+            key = f"d{d}_k{k}_t{temp}" if mode == "block" else f"pipeline_d{d}_t{temp}"
+            run_case(eng, prompts[:1], warm, sync)
+            if traces_in is not None:
+                eng.executor.runner.replay = AcceptanceReplay(traces_in[key])
+            eng.metrics = type(eng.metrics)(len(eng.metrics.accepted_per_position))  # measured run only
+            res = run_case(eng, prompts, params, sync)
+            m = eng.metrics
+            traces[key] = list(m.accepted_trace)
+            per_pos = [a / n if n else None for a, n in zip(m.accepted_per_position, m.drafted_per_position)]
+            case = {"mode": mode, "temperature": temp, "draft_loops": d, "k": k, **res,
+                    "acceptance_rate": res["accepted"] / res["drafted"] if res["drafted"] else 0.0,
+                    "mean_acceptance_length": (res["accepted"] + res["rounds"]) / res["rounds"],
+                    "per_position_acceptance": per_pos,
+                    "tokens_per_forward": res["output_tokens"] / res["forwards"],
+                    "speedup": base["ms_per_token"] / res["ms_per_token"]}
+            cases.append(case)
+            del eng  # one speculating engine (and its KV pool) at a time
+            print(f"T={temp} {mode} d={d} k={k}: accept {case['acceptance_rate']:.2f}, MAL "
+                  f"{case['mean_acceptance_length']:.2f}, tok/fwd {case['tokens_per_forward']:.2f}, "
+                  f"speedup {case['speedup']:.2f}", flush=True)
     result = {"command": " ".join(["python"] + sys.argv), "model": str(model), "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "dtype": args.dtype, "replayed": traces_in is not None,
@@ -150,9 +154,9 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.trace_out:
         Path(args.trace_out).write_text(json.dumps(traces))
-    print(f"{'T':>4} {'d':>2} {'k':>2} {'accept':>7} {'MAL':>5} {'tok/fwd':>8} {'ms/tok':>8} {'speedup':>8}")
+    print(f"{'T':>4} {'mode':>8} {'d':>2} {'k':>2} {'accept':>7} {'MAL':>5} {'tok/fwd':>8} {'ms/tok':>8} {'speedup':>8}")
     for c in cases:
-        print(f"{c['temperature']:4.1f} {c.get('draft_loops', '-'):>2} {c.get('k', '-'):>2} "
+        print(f"{c['temperature']:4.1f} {c['mode']:>8} {c.get('draft_loops') or '-':>2} {c.get('k') or '-':>2} "
               f"{c.get('acceptance_rate', 0):7.2f} {c.get('mean_acceptance_length', 1):5.2f} "
               f"{c['tokens_per_forward']:8.2f} {c['ms_per_token']:8.2f} {c['speedup']:8.2f}")
 
@@ -168,6 +172,11 @@ def plot(path: Path) -> None:
     temps = sorted({c["temperature"] for c in result["cases"]})
     for temp in temps:
         block = [c for c in result["cases"] if c["mode"] == "block" and c["temperature"] == temp]
+        for c in result["cases"]:
+            if c["mode"] == "pipeline" and c["temperature"] == temp:
+                style = "-" if temp == 0 else "--"
+                axes[0].axhline(c["speedup"], ls=style, lw=0.8, color="k", alpha=0.4)
+                axes[0].annotate(f"pipeline d={c['draft_loops']} T={temp}", (1, c["speedup"]), fontsize=7)
         for d in sorted({c["draft_loops"] for c in block}):
             rows = sorted((c for c in block if c["draft_loops"] == d), key=lambda c: c["k"])
             ks = [c["k"] for c in rows]

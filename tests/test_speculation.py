@@ -214,3 +214,76 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     # 15 degrees of freedom: the 1e-4 upper quantile of chi-square is about 46.
     assert chi2 < 46.0, f"chi-square {chi2:.1f}"
+
+
+# ---- token pipelines ---------------------------------------------------------------
+
+@pytest.mark.parametrize("d, batch", [(1, 1), (1, 5), (2, 3), (2, 8), (3, 2)])
+def test_pipeline_greedy_equals_plain_greedy(plain_greedy, d, batch):
+    engine = _engine(speculation="pipeline", draft_loops=d, max_num_batched_tokens=32)
+    got = _generate(engine, PROMPTS[:batch], SamplingParams(max_tokens=24, **GREEDY), stagger=True)
+    assert got == plain_greedy[:batch]
+    stats = engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # acceptances and rejections
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+
+
+def test_pipeline_needs_fewer_forward_calls(plain_greedy):
+    plain = _engine()
+    _generate(plain, PROMPTS[:1], SamplingParams(max_tokens=24, **GREEDY))
+    piped = _engine(speculation="pipeline", draft_loops=1)
+    _generate(piped, PROMPTS[:1], SamplingParams(max_tokens=24, **GREEDY))
+    assert piped.executor.num_submitted < plain.executor.num_submitted
+
+
+def test_pipeline_on_random_checkpoint(tiny_ckpt):
+    def run(**spec):
+        engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float64", **spec))
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (2, 19)]
+        return _generate(engine, prompts, SamplingParams(max_tokens=16, **GREEDY))
+
+    assert run(speculation="pipeline", draft_loops=1) == run()
+
+
+def test_pipeline_stops_abort_and_reuse(plain_greedy):
+    expected = plain_greedy[0]
+    stop_token = expected[5]
+    engine = _engine(speculation="pipeline", draft_loops=1)
+    engine.add_request("s", PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_token,)))
+    outs = engine.drain()
+    assert [t for o in outs for t in o.token_ids] == expected[: expected.index(stop_token) + 1]
+    engine.add_request("x", PROMPTS[1], SamplingParams(max_tokens=200, **GREEDY))
+    for _ in range(15):
+        engine.step()
+    engine.abort("x")
+    engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=24, **GREEDY))
+    assert [t for o in engine.drain() if o.request_id == "x" for t in o.token_ids] == expected
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+
+
+def test_pipeline_seeded_sampling_reproducible():
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    a = _generate(_engine(speculation="pipeline", draft_loops=1), PROMPTS[:1], params)
+    b = _generate(_engine(speculation="pipeline", draft_loops=1), PROMPTS[:4], params)
+    assert a[0] == b[0]
+
+
+def test_verify_single_reproduces_the_target_distribution():
+    """One-candidate speculative sampling: P(emitted = x) = p(x) for any draft q."""
+    from specloop.pipeline.acceptance import verify_single
+
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(6, generator=gen) * 1.5, dim=0)
+    q = torch.softmax(torch.randn(6, generator=gen) * 1.5, dim=0)
+    trials = 20000
+    counts = torch.zeros(6)
+    for _ in range(trials):
+        c = torch.multinomial(q, 1, generator=gen)[0]
+        _, token = verify_single(torch.zeros(6), c, p, q, gen)
+        counts[int(token)] += 1
+    expected = trials * p
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 29.6, f"chi-square {chi2:.1f}"  # 5 degrees of freedom, 1e-5 upper quantile

@@ -216,6 +216,9 @@ class Runner:
 
     def _verify_single(self, group: RowGroup, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         candidate = self.draft_tokens[group.req_slot, group.candidate_index]
+        if self.replay is not None:  # benchmark: force the recorded outcome
+            ok = self.replay.next_accepted(1)
+            return torch.full((), ok, dtype=torch.long, device=self.device), candidate if ok else logits.argmax()
         if group.sample.is_greedy:
             return verify_single(logits, candidate)
         gen = self._generator(group)
