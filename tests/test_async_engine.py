@@ -90,3 +90,23 @@ def test_llm_outputs(tiny_ckpt):
     with pytest.raises(InvalidRequestError):
         llm.generate(["ok", ""], SamplingParams(max_tokens=2))
     assert llm.generate("again", SamplingParams(max_tokens=2))[0].finish_reason in ("length", "stop")
+
+
+async def test_cancel_while_adding_does_not_orphan_the_request(engine):
+    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)  # would run for long
+    for _ in range(5):
+        stream = engine.generate([5, 6, 7], params)
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the add is submitted, not yet confirmed
+        task.cancel()
+        with pytest.raises((asyncio.CancelledError, StopAsyncIteration)):
+            await task
+        await stream.aclose()
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if engine.stats().running == 0 and engine.stats().waiting == 0 and engine.stats().kv_bytes_used == 0:
+            break
+    stats = engine.stats()
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_bytes_used == 0
+    assert engine.is_alive
+    assert (await _collect(engine, [5], GREEDY))[-1].finished  # still serving

@@ -79,9 +79,9 @@ class AsyncEngine:
             self.core.add_request(rid, prompt, params)
             self._streams[rid] = stream
 
-        await self._call(add)
         finished = False
         try:
+            await self._call(add)  # inside the try: a cancel while adding still aborts
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -164,13 +164,14 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            try:
-                future.set_result(fn())
-            except SpecloopError as exc:
-                future.set_exception(exc)
-            except BaseException as exc:
-                future.set_exception(exc)
-                raise
+            if future.set_running_or_notify_cancel():  # skip commands whose caller gave up
+                try:
+                    future.set_result(fn())
+                except SpecloopError as exc:
+                    future.set_exception(exc)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                    raise
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
