@@ -37,6 +37,7 @@ from specloop.pipeline.token_pipeline import TokenPipeline
 
 log = logging.getLogger(__name__)
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU (tests create many engines)
+CUDA_ACTIVATION_RESERVE = 4 << 30  # bytes of free GPU memory kept out of the KV pool
 
 
 class QueueFullError(SpecloopError):
@@ -105,7 +106,9 @@ class EngineCore:
             budget = cfg.kv_cache_bytes
         elif device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * cfg.gpu_memory_utilization) - (1 << 30)  # 1 GiB for activations
+            # Leave room for activations: with too little, the caching allocator frees and
+            # retries (synchronising) on every step.
+            budget = int(free * cfg.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE
         else:
             budget = CPU_KV_BYTES
         pages = budget // page_bytes
