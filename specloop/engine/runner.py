@@ -96,8 +96,9 @@ class Runner:
             ids = torch.where(rows.from_device, self.next_token[rows.req_slots], rows.token_ids)
             enter = rows.enter_index
             hidden[enter] = self.model.embed(ids[enter])
-            self.slot_survival[rows.hidden_slots[enter]] = 1.0
-            self.slot_exited[rows.hidden_slots[enter]] = False
+            entering = rows.hidden_slots[enter]  # index_fill_: a scalar fill, no host-to-device copy
+            self.slot_survival.index_fill_(0, entering, 1.0)
+            self.slot_exited.index_fill_(0, entering, False)
         keep = self.slot_exited[rows.hidden_slots] if plan.adaptive_exit else None
         self._set_attention(plan, rows, keep)
         out = self.model.loop(hidden, rows.positions, self.backend)

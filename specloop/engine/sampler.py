@@ -106,7 +106,7 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     Speculative sampling needs it for both the draft (q) and the target (p)."""
     probs = _filter(logits / batch.temperature[:, None], batch).softmax(dim=-1)
     if batch.any_greedy:
-        one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(batch.greedy[:, None], one_hot, probs)
     return probs
 

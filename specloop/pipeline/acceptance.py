@@ -75,7 +75,8 @@ def verify_single(
         return accepted, torch.where(accepted.bool(), candidate, predicted)
     p, q = target_probs, draft_probs
     u = torch.rand((), generator=generator, device=p.device)
-    accepted = (u * q[candidate] <= p[candidate]).long()
+    at = candidate.view(1)  # gather, not p[candidate]: a tensor index would read it back to the host
+    accepted = (u * q.gather(0, at)[0] <= p.gather(0, at)[0]).long()
     residual = (p - q).clamp(min=0.0)
     mass = residual.sum()
     dist = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)

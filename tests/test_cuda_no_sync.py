@@ -1,0 +1,40 @@
+"""On CUDA, submitting a plan never synchronises the device (skipped without CUDA).
+
+The executor's contract: the CPU builds the next plan while the GPU runs the current one,
+so `Executor.submit` (plan -> device tensors -> forward -> sampling -> acceptance ->
+asynchronous host copies) must make no synchronising CUDA call. `torch.cuda`'s sync debug
+mode turns any such call into an error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specloop.engine.config import EngineConfig
+from specloop.engine.core import EngineCore
+from specloop.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("spec", [{}, {"exit_threshold": 0.7}, {"speculation": "block"},
+                                  {"speculation": "pipeline", "draft_loops": 1}])
+def test_submit_does_not_synchronise(tiny_ckpt, spec):
+    engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cuda", dtype="float32",
+                                                 kv_cache_bytes=64 << 20, max_num_batched_tokens=16, **spec))
+    submit = engine.executor.submit
+
+    def checked_submit(plan):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return submit(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.executor.submit = checked_submit
+    for i, params in enumerate([SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]):
+        engine.add_request(f"r{i}", list(range(5, 5 + 7 * (i + 1))), params)
+    outputs = engine.drain()  # warm-up happens inside: the first calls are checked too
+    assert sum(len(o.token_ids) for o in outputs) == 24
