@@ -22,12 +22,13 @@ from collections.abc import Callable
 from specloop.engine.kv_manager import KVManager
 from specloop.engine.plan import Plan, RowGroup
 from specloop.engine.request import Request, Status, new_incarnation
+from specloop.engine.token_slots import TokenSlotPool
 from specloop.pipeline.block import BlockSpeculation, unused_slots
 from specloop.pipeline.token_pipeline import TokenPipeline
 
 
 class SlotPool:
-    """Free list of integer slots (token slots, request slots)."""
+    """Free list of request slots (indices of per-request device state)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -54,7 +55,7 @@ class Scheduler:
         self.max_rows = max_rows
         self.adaptive_exit = adaptive_exit
         self.speculation = speculation
-        self.token_slots = SlotPool(num_token_slots)
+        self.token_slots = TokenSlotPool(num_token_slots)
         self.req_slots = SlotPool(max_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -73,8 +74,9 @@ class Scheduler:
         elif req.status is Status.RUNNING:
             self.running.remove(req)
             slots = list(req.hidden_slots.values()) + unused_slots(req)
+            self.token_slots.retire(slots)
             rid, req_slot = req.kv_key, req.req_slot
-            self._defer(lambda: (self.kv.free(rid), self.token_slots.give(slots), self.req_slots.give([req_slot])))
+            self._defer(lambda: (self.kv.free(rid), self.token_slots.release(slots), self.req_slots.give([req_slot])))
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.incarnation = new_incarnation()  # results still in flight are now stale
@@ -118,7 +120,7 @@ class Scheduler:
         prefills: list[tuple[Request, int, int]] = []
         for req in self.running:
             if req.speculating:
-                for group in self.speculation.groups(req, budget, self._make_group, self._take_slots):
+                for group in self.speculation.groups(req, budget, self._make_group, self.token_slots.take):
                     groups.append(group)
                     budget -= group.num_rows
                     if group.depth == self.num_loops - 1:
@@ -146,7 +148,8 @@ class Scheduler:
         plan = Plan(self._next_ticket, groups, release, self.adaptive_exit)
         self._next_ticket += 1
         if release:  # token slots that finished the last depth return once the ticket completes
-            self._defer(lambda: self.token_slots.give(release))
+            self.token_slots.finish(release)
+            self._defer(lambda: self.token_slots.release(release))
         return plan
 
     def _group(self, req: Request, depth: int, start: int, end: int, num_tokens: int, release: list[int]) -> RowGroup:
@@ -165,9 +168,6 @@ class Scheduler:
                     req.num_tokens += 1  # the sampled token's position exists from the next plan on
         return group
 
-    def _take_slots(self, n: int) -> list[int] | None:
-        return [self.token_slots.take() for _ in range(n)] if self.token_slots.num_free >= n else None
-
     def _make_group(self, req: Request, depth: int, start: int, end: int, slots: list[int] | None = None) -> RowGroup:
         """Rows [start, end) of a request at one depth: token slots, KV slots, tables.
 
@@ -178,7 +178,7 @@ class Scheduler:
         rid = req.kv_key
         if depth == 0:
             self.kv.ensure(rid, end)
-            taken = slots if slots is not None else [self.token_slots.take() for _ in range(start, end)]
+            taken = slots if slots is not None else self.token_slots.take(end - start)
             for pos, slot in zip(range(start, end), taken):
                 req.hidden_slots[pos] = slot
         hidden = [req.hidden_slots[p] for p in range(start, end)]
@@ -205,6 +205,7 @@ class Scheduler:
         keep, flushed = self.speculation.committed(req, accepted)
         slots = [req.hidden_slots.pop(p) for p in flushed if p in req.hidden_slots]
         if slots:
-            self._defer(lambda: self.token_slots.give(slots))
+            self.token_slots.retire(slots)
+            self._defer(lambda: self.token_slots.release(slots))
         if keep is not None:
             self.kv.truncate(req.kv_key, keep)
