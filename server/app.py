@@ -61,9 +61,7 @@ class ServerState:
 
 def engine_limits(engine: AsyncEngine) -> Limits:
     """Context length and the most tokens (prompt + max_tokens) the KV cache can ever hold."""
-    core = engine.core
-    kv_tokens = core.kv.num_pages // core.kv.num_planes * core.kv.block_size
-    return Limits(core.max_model_len, kv_tokens)
+    return Limits(*engine.limits())
 
 
 def create_app(engine: AsyncEngine, model_name: str, model_path: str | None = None) -> FastAPI:

@@ -61,6 +61,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive() and not self._stopping.is_set()
 
+    def limits(self) -> tuple[int, int]:
+        """(context length, most tokens a request may reserve); fixed at start-up."""
+        return self.core.max_model_len, self.core.max_request_tokens
+
     def stats(self) -> EngineStats:
         """Last published stats (read without touching the engine thread)."""
         return self._stats

@@ -160,6 +160,11 @@ class EngineCore:
             return None
         return self._end(req, "abort", "", [], None)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most positions (prompt + max_tokens) one request can reserve in the KV pool."""
+        return self.kv.num_pages // self.kv.num_planes * self.kv.block_size
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._inflight)
 
