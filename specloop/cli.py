@@ -54,7 +54,7 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "max_model_len": (int, "context length limit"),
     "max_waiting_requests": (int, "bounded waiting queue"),
     "exit_threshold": (float, "Q-exit threshold (1.0: every loop)"),
-    "speculation": (str, "none or block (block self-speculation)"),
+    "speculation": (str, "none, block (self-speculation rounds) or pipeline (token pipelines)"),
     "draft_loops": (int, "draft depth d for speculation (1..loops-1, default 2)"),
     "num_speculative_tokens": (int, "candidates drafted per speculation round (default 4)"),
 }
