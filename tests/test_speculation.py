@@ -287,3 +287,16 @@ def test_verify_single_reproduces_the_target_distribution():
     expected = trials * p
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 29.6, f"chi-square {chi2:.1f}"  # 5 degrees of freedom, 1e-5 upper quantile
+
+
+def test_pipeline_keeps_a_ticket_in_flight(plain_greedy):
+    """The next call is planned before the previous verification is read back."""
+    engine = _engine(speculation="pipeline", draft_loops=1, max_inflight_tickets=2)
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=24, **GREEDY))
+    tokens, in_flight = [], []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.token_ids]
+        in_flight.append(len(engine._inflight))
+    assert tokens == plain_greedy[0]
+    assert engine.stats().num_accepted_tokens < engine.stats().num_draft_tokens  # rejections were rolled back
+    assert sum(n >= 1 for n in in_flight) >= 0.8 * len(in_flight)

@@ -199,7 +199,7 @@ class EngineCore:
                 self.metrics.record_round(req, res.record.num_drafts, res.accepted)
             outputs.append(self._accept(req, res.tokens, res.logprobs))
             if not outputs[-1].finished and res.record.controlled:
-                self.scheduler.committed(req, res.accepted)
+                self.scheduler.committed(req, res.accepted, res.record.sample_index, res.tokens[-1])
         return outputs
 
     def _accept(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:

@@ -168,7 +168,8 @@ class Scheduler:
                     req.num_tokens += 1  # the sampled token's position exists from the next plan on
         return group
 
-    def _make_group(self, req: Request, depth: int, start: int, end: int, slots: list[int] | None = None) -> RowGroup:
+    def _make_group(self, req: Request, depth: int, start: int, end: int, slots: list[int] | None = None,
+                    token_ids: list[int] | None = None) -> RowGroup:
         """Rows [start, end) of a request at one depth: token slots, KV slots, tables.
 
         Rows entering depth 0 take token slots (`slots` when the caller took them
@@ -190,7 +191,7 @@ class Scheduler:
         group = RowGroup(
             request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, req_slot=req.req_slot,
             depth=depth, start=start, end=end,
-            token_ids=req.prompt_ids[start:end] if depth == 0 and end <= prompt_len else None,
+            token_ids=token_ids or (req.prompt_ids[start:end] if depth == 0 and end <= prompt_len else None),
             hidden_slots=hidden,
             block_table=self.kv.block_table(rid, depth)[: -(-end // self.kv.block_size)],
             plane_slots=[self.kv.slots(rid, p, start, end) for p in range(self.num_loops)],
@@ -199,10 +200,10 @@ class Scheduler:
             raise AssertionError("generated tokens enter depth 0 one at a time")
         return group
 
-    def committed(self, req: Request, accepted: int) -> None:
+    def committed(self, req: Request, accepted: int, sample_index: int, token: int) -> None:
         """A committed verification of a speculating request: roll back rejected positions
         in every plane and free flushed tokens' slots; the controller plans what follows."""
-        keep, flushed = self.speculation.committed(req, accepted)
+        keep, flushed = self.speculation.committed(req, accepted, sample_index, token)
         slots = [req.hidden_slots.pop(p) for p in flushed if p in req.hidden_slots]
         if slots:
             self.token_slots.retire(slots)

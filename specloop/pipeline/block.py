@@ -21,7 +21,8 @@ from collections.abc import Callable
 from specloop.engine.plan import RowGroup
 from specloop.engine.request import Request
 
-MakeGroup = Callable[[Request, int, int, int, list[int] | None], RowGroup]  # (request, depth, start, end, slots)
+# (request, depth, start, end, token slots taken already, token ids known on the host) -> group
+MakeGroup = Callable[[Request, int, int, int, "list[int] | None", "list[int] | None"], RowGroup]
 TakeSlots = Callable[[int], list[int] | None]  # n token slots at once, or None if fewer are free
 
 
@@ -69,7 +70,7 @@ class BlockSpeculation:
                 return []
             pos = rnd.base + rnd.row
             entering = [rnd.slots.pop(0)] if rnd.depth == 0 else None
-            group = make_group(req, rnd.depth, pos, pos + 1, entering)
+            group = make_group(req, rnd.depth, pos, pos + 1, entering, None)
             if rnd.depth == self.draft_loops - 1 and rnd.row < rnd.k:
                 group.sample, group.draft_index = req.params, rnd.row
             rnd.depth += 1
@@ -80,7 +81,7 @@ class BlockSpeculation:
             return [group]
         if budget < rnd.num_rows:
             return []
-        group = make_group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, None)
+        group = make_group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, None, None)
         if rnd.depth == self.num_loops - 1:
             group.sample, group.verify, group.sample_index = req.params, True, req.produced
             group.controlled = True
@@ -88,7 +89,7 @@ class BlockSpeculation:
         rnd.depth += 1
         return [group]
 
-    def committed(self, req: Request, accepted: int) -> tuple[int, list[int]]:
+    def committed(self, req: Request, accepted: int, sample_index: int, token: int) -> tuple[int, list[int]]:
         """After the verification committed: (positions to keep, flushed positions); next round."""
         next_base = req.round.base + accepted + 1
         req.produced += accepted + 1

@@ -8,9 +8,13 @@ candidate: accepted, the candidate is emitted and stays live; rejected, the corr
 is emitted, every younger live token is flushed (slots, KV rolled back) and the pipeline
 restarts from the correction. Emission is therefore one token per verification.
 
-A verification's outcome decides whether the younger tokens survive, so a request with
-a verification in flight is not planned again until it is committed (other requests
-keep the device busy). Plain Python, no torch.
+The CPU does not wait for a verification: the next calls are planned as if it passed, so
+a ticket stays in flight without reading the outcome back. When a committed verification
+turns out rejected, the request gets a new incarnation (the in-flight results planned on
+the optimistic assumption are dropped at commit), its live tokens are flushed, its KV is
+rolled back, and the pipeline restarts from the correction, whose id the commit knows.
+Tickets run in submission order on one stream, so the stale calls' writes land before
+anything planned after the rollback. Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from specloop.engine.plan import RowGroup
-from specloop.engine.request import Request
+from specloop.engine.request import Request, new_incarnation
 from specloop.pipeline.block import MakeGroup, TakeSlots
 
 
@@ -26,14 +30,13 @@ from specloop.pipeline.block import MakeGroup, TakeSlots
 class LiveToken:
     pos: int
     depth: int = 0  # next depth to run
+    token: int | None = None  # id known on the host (a restart); None: the device cell
 
 
 @dataclasses.dataclass
 class PipelineState:
     live: list[LiveToken]  # oldest first
     limit: int  # positions < limit may hold tokens (prompt + max_tokens - 1)
-    awaiting: bool = False  # a verification or sample is in flight
-    verifying_pos: int = -1  # position the in-flight verification decides
 
 
 class TokenPipeline:
@@ -50,7 +53,7 @@ class TokenPipeline:
 
     def groups(self, req: Request, budget: int, make_group: MakeGroup, take_slots: TakeSlots) -> list[RowGroup]:
         pipe: PipelineState | None = req.round
-        if pipe is None or pipe.awaiting or not pipe.live or budget < len(pipe.live):
+        if pipe is None or not pipe.live or budget < len(pipe.live):
             return []
         groups = []
         newest = pipe.live[-1]
@@ -61,7 +64,8 @@ class TokenPipeline:
                 slots = take_slots(1)
                 if slots is None:  # no token slot: this (newest) token waits for the next call
                     break
-            group = make_group(req, tok.depth, tok.pos, tok.pos + 1, slots)
+            known = [tok.token] if tok.depth == 0 and tok.token is not None else None
+            group = make_group(req, tok.depth, tok.pos, tok.pos + 1, slots, known)
             nxt = tok.pos + 1
             if tok is newest and tok.depth == self.draft_loops - 1 and nxt < pipe.limit:
                 group.sample, group.draft_index = req.params, nxt % self.width
@@ -71,21 +75,20 @@ class TokenPipeline:
                 group.controlled = True
                 if nxt in live_positions:
                     group.verify, group.candidate_index = True, nxt % self.width
-                pipe.awaiting, pipe.verifying_pos = True, nxt
             tok.depth += 1
             groups.append(group)
         pipe.live = [t for t in pipe.live if t.depth < self.num_loops]
         return groups
 
-    def committed(self, req: Request, accepted: int) -> tuple[int | None, list[int]]:
-        """After the in-flight verification (or sample) committed: (positions to keep,
-        flushed positions). A rejection or a plain sample restarts from the emitted token."""
-        pipe: PipelineState = req.round
-        pipe.awaiting = False
+    def committed(self, req: Request, accepted: int, sample_index: int, token: int) -> tuple[int | None, list[int]]:
+        """A verification (or the plain sample at the end) committed: (positions to keep,
+        flushed positions). A rejection restarts from the emitted token at a new incarnation."""
         req.produced += 1
-        pos = pipe.verifying_pos
         if accepted:
             return None, []
+        pos = len(req.prompt_ids) + sample_index  # where the emitted token sits
+        pipe: PipelineState = req.round
         flushed = [t.pos for t in pipe.live if t.pos >= pos]
-        pipe.live = [LiveToken(pos)] if pos < pipe.limit else []
+        pipe.live = [LiveToken(pos, token=token)] if pos < pipe.limit else []
+        req.incarnation = new_incarnation()  # calls planned on the optimistic assumption are stale
         return pos, flushed
