@@ -23,7 +23,7 @@ from specloop.engine.kv_manager import KVManager
 from specloop.engine.plan import Plan, RowGroup
 from specloop.engine.request import Request, Status, new_incarnation
 from specloop.engine.token_slots import TokenSlotPool
-from specloop.pipeline.block import BlockSpeculation, unused_slots
+from specloop.pipeline.block import BlockSpeculation, unused_slots, unused_slots_of
 from specloop.pipeline.token_pipeline import TokenPipeline
 
 
@@ -203,8 +203,11 @@ class Scheduler:
     def committed(self, req: Request, accepted: int, sample_index: int, token: int) -> None:
         """A committed verification of a speculating request: roll back rejected positions
         in every plane and free flushed tokens' slots; the controller plans what follows."""
+        before = req.round
         keep, flushed = self.speculation.committed(req, accepted, sample_index, token)
         slots = [req.hidden_slots.pop(p) for p in flushed if p in req.hidden_slots]
+        if req.round is not before:  # a replaced round's slots for rows it never drafted
+            slots += unused_slots_of(before)
         if slots:
             self.token_slots.retire(slots)
             self._defer(lambda: self.token_slots.release(slots))
