@@ -47,7 +47,6 @@ class RowGroup:
 class Plan:
     ticket_id: int
     groups: list[RowGroup]
-    release_slots: list[int]  # token slots free once this ticket completes
     adaptive_exit: bool
 
     @property

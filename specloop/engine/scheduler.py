@@ -145,7 +145,7 @@ class Scheduler:
                 budget -= take
         if not groups:
             return None
-        plan = Plan(self._next_ticket, groups, release, self.adaptive_exit)
+        plan = Plan(self._next_ticket, groups, self.adaptive_exit)
         self._next_ticket += 1
         if release:  # token slots that finished the last depth return once the ticket completes
             self.token_slots.finish(release)
