@@ -290,24 +290,13 @@ def test_verify_single_reproduces_the_target_distribution():
 
 
 @pytest.mark.parametrize("inflight", [2, 4])
-def test_pipeline_keeps_a_ticket_in_flight(plain_greedy, inflight):
-    """The next call is planned before the previous verification is read back."""
-    engine = _engine(speculation="pipeline", draft_loops=1, max_inflight_tickets=inflight)
-    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=24, **GREEDY))
-    tokens, in_flight = [], []
-    while engine.has_unfinished():
-        tokens += [t for o in engine.step() for t in o.token_ids]
-        in_flight.append(len(engine._inflight))
-    assert tokens == plain_greedy[0]
-    assert engine.stats().num_accepted_tokens < engine.stats().num_draft_tokens  # rejections were rolled back
-    assert sum(n >= 1 for n in in_flight) >= 0.8 * len(in_flight)
-
-
-@pytest.mark.parametrize("inflight", [2, 4])
-def test_block_keeps_a_ticket_in_flight(plain_greedy, inflight):
-    """The next round is planned before the verification is read back (guessing it all
-    passes); wrong guesses are rolled back. Deeper ticket queues stay correct too."""
-    engine = _engine(speculation="block", num_speculative_tokens=4, draft_loops=2, max_inflight_tickets=inflight)
+@pytest.mark.parametrize("spec", [{"speculation": "pipeline", "draft_loops": 1},
+                                  {"speculation": "block", "num_speculative_tokens": 4, "draft_loops": 2}])
+def test_speculation_keeps_a_ticket_in_flight(plain_greedy, spec, inflight):
+    """The next call is planned before the previous verification is read back (rounds
+    guess that every candidate passes); rejections are rolled back. Deeper ticket queues
+    stay correct too."""
+    engine = _engine(max_inflight_tickets=inflight, **spec)
     engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=24, **GREEDY))
     tokens, in_flight = [], []
     while engine.has_unfinished():
@@ -315,7 +304,7 @@ def test_block_keeps_a_ticket_in_flight(plain_greedy, inflight):
         in_flight.append(len(engine._inflight))
     assert tokens == plain_greedy[0]
     stats = engine.stats()
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # right and wrong guesses both happened
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # acceptances and rollbacks both happened
     assert sum(n >= 1 for n in in_flight) >= 0.8 * len(in_flight)
     assert engine.kv.num_free_pages == engine.kv.num_pages
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
