@@ -308,3 +308,13 @@ def test_speculation_keeps_a_ticket_in_flight(plain_greedy, spec, inflight):
     assert sum(n >= 1 for n in in_flight) >= 0.8 * len(in_flight)
     assert engine.kv.num_free_pages == engine.kv.num_pages
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+
+
+def test_row_budget_must_fit_a_verification(plain_greedy):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        _engine(speculation="block", num_speculative_tokens=8, max_num_batched_tokens=4)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        _engine(speculation="pipeline", max_num_batched_tokens=2)
+    # the smallest budget that fits runs to the end without stalling
+    engine = _engine(speculation="block", num_speculative_tokens=8, max_num_batched_tokens=9, max_num_seqs=2)
+    assert _generate(engine, PROMPTS[:2], SamplingParams(max_tokens=24, **GREEDY)) == plain_greedy[:2]

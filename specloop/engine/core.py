@@ -84,6 +84,15 @@ class EngineCore:
         elif config.speculation == "pipeline":
             speculation = TokenPipeline(mcfg.num_loops, config.draft_loops)
             draft_width = speculation.width
+        if speculation is not None:
+            # A round verifies k+1 rows in one call and a pipeline advances up to R live
+            # tokens together; each request may hold that many slots twice (a guessed round).
+            per_request = max(config.num_speculative_tokens + 1, mcfg.num_loops) if config.speculation == "block" \
+                else mcfg.num_loops
+            if rows < per_request:
+                raise ConfigError(f"max_num_batched_tokens ({rows}) must be at least {per_request} for "
+                                  f"{config.speculation} speculation with these settings")
+            num_token_slots += 2 * per_request * config.max_num_seqs
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation)
