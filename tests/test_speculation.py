@@ -318,3 +318,12 @@ def test_row_budget_must_fit_a_verification(plain_greedy):
     # the smallest budget that fits runs to the end without stalling
     engine = _engine(speculation="block", num_speculative_tokens=8, max_num_batched_tokens=9, max_num_seqs=2)
     assert _generate(engine, PROMPTS[:2], SamplingParams(max_tokens=24, **GREEDY)) == plain_greedy[:2]
+
+
+@pytest.mark.parametrize("spec", [{"speculation": "block"}, {"speculation": "pipeline", "draft_loops": 1}])
+def test_seeded_speculative_sampling_ignores_discarded_calls(spec):
+    """Deeper ticket queues discard more speculative calls; the seeded text is unchanged."""
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=21, ignore_eos=True)
+    shallow = _generate(_engine(max_inflight_tickets=1, **spec), PROMPTS[:1], params)
+    deep = _generate(_engine(max_inflight_tickets=4, **spec), PROMPTS[:1], params)
+    assert shallow == deep

@@ -15,7 +15,7 @@ import torch
 
 from specloop.engine.attention import DecodeBatch, PagedAttention, PagedKVStorage, PrefillGroup
 from specloop.engine.plan import Plan, RowGroup
-from specloop.engine.sampler import SamplingBatch, make_generator, probabilities, sample
+from specloop.engine.sampler import SamplingBatch, draw_generator, probabilities, sample
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.acceptance import greedy_verify, speculative_sample, verify_single
@@ -66,7 +66,6 @@ class Runner:
         self.slot_survival = torch.ones(num_token_slots, dtype=torch.float32, device=self.device)
         self.slot_exited = torch.zeros(num_token_slots, dtype=torch.bool, device=self.device)
         self.next_token = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
-        self._generators: dict[int, tuple[int, torch.Generator]] = {}  # req slot -> (arrival, gen)
         k = num_speculative_tokens  # draft buffer width: block size, or R for token pipelines
         self.draft_tokens = torch.zeros(max_seqs, max(k, 1), dtype=torch.long, device=self.device)
         self.draft_probs = torch.zeros(max_seqs if k else 0, max(k, 1), cfg.vocab_size, device=self.device,
@@ -80,13 +79,13 @@ class Runner:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
-    def _generator(self, group: RowGroup) -> torch.Generator:
-        tagged = self._generators.get(group.req_slot)
-        if tagged is None or tagged[0] != group.arrival:
-            seed = group.sample.seed if group.sample is not None else None
-            tagged = (group.arrival, make_generator(seed, self.engine_seed, group.arrival, self.device))
-            self._generators[group.req_slot] = tagged
-        return tagged[1]
+    def _generator(self, group: RowGroup, purpose: str) -> torch.Generator:
+        """The generator of one draw, keyed by the request, a position and the purpose, so
+        discarded speculative calls cannot shift the draws that count. Samples and drafts
+        key by the sampled row; verifications by their first row (a round's base, which
+        only grows, so no two verifications of a request share a key)."""
+        position = group.start if group.verify else group.end - 1
+        return draw_generator(group.sample.seed, self.engine_seed, group.arrival, position, purpose, self.device)
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> TicketOutput:
@@ -163,7 +162,7 @@ class Runner:
             index = self._upload([rows.offsets[id(groups[i])] + groups[i].num_rows - 1 for i in plain])
             logits = self.model.head(out[index])
             batch = SamplingBatch.build([groups[i].sample for i in plain],
-                                        [self._generator(groups[i]) for i in plain], self.device)
+                                        [self._generator(groups[i], "sample") for i in plain], self.device)
             chosen = sample(logits, batch).token_ids
             self.next_token[self._upload([groups[i].req_slot for i in plain])] = chosen
             where = self._upload(plain)
@@ -206,7 +205,8 @@ class Runner:
         """Draft samples: the candidate goes to the next-token cell and the draft buffer."""
         index = self._upload([rows.offsets[id(g)] + g.num_rows - 1 for g in groups])
         logits = self.model.head(out[index])
-        batch = SamplingBatch.build([g.sample for g in groups], [self._generator(g) for g in groups], self.device)
+        batch = SamplingBatch.build([g.sample for g in groups], [self._generator(g, "draft") for g in groups],
+                                    self.device)
         drafted = sample(logits, batch).token_ids
         cells = self._upload([g.req_slot for g in groups])
         positions = self._upload([g.draft_index for g in groups])
@@ -222,7 +222,7 @@ class Runner:
             return torch.full((), ok, dtype=torch.long, device=self.device), candidate if ok else logits.argmax()
         if group.sample.is_greedy:
             return verify_single(logits, candidate)
-        gen = self._generator(group)
+        gen = self._generator(group, "verify")
         target = probabilities(logits[None], SamplingBatch.build([group.sample], [gen], self.device))[0]
         return verify_single(logits, candidate, target, self.draft_probs[group.req_slot, group.candidate_index], gen)
 
@@ -235,7 +235,7 @@ class Runner:
             return torch.full((), n + 1, dtype=torch.long, device=self.device), forced
         if group.sample.is_greedy:
             return greedy_verify(logits, candidates)
-        gen = self._generator(group)
+        gen = self._generator(group, "verify")
         batch = SamplingBatch.build([group.sample] * (k + 1), [gen] * (k + 1), self.device)
         target = probabilities(logits, batch)
         return speculative_sample(target, self.draft_probs[group.req_slot, :k], candidates, gen)

@@ -124,6 +124,20 @@ def make_generator(seed: int | None, engine_seed: int, request_index: int,
     return torch.Generator(device=torch.device(device)).manual_seed(seed % 2**64)
 
 
+def draw_generator(seed: int | None, engine_seed: int, request_index: int, position: int, purpose: str,
+                   device: torch.device | str) -> torch.Generator:
+    """A fresh generator for one draw, a function of (request seed, position, purpose).
+
+    The engine uses one per draw instead of one stream per request, so a draw never
+    depends on how many draws came before it: speculation discards calls planned on a
+    wrong guess, and their draws must not shift the ones that count. Unseeded requests
+    use (engine seed, request index) as their seed, as `make_generator` does.
+    """
+    base = str(seed % 2**64) if seed is not None else f"{engine_seed}/{request_index}"
+    digest = hashlib.blake2b(f"{base}/{position}/{purpose}".encode(), digest_size=8).digest()
+    return torch.Generator(device=torch.device(device)).manual_seed(int.from_bytes(digest, "little"))
+
+
 def _upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         values = values.pin_memory()
