@@ -75,17 +75,10 @@ class ModelConfig:
         """R: how many times the layer stack is applied."""
         return self.total_ut_steps
 
-    @property
-    def gqa_group(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """K and V of one token over every (loop, layer) plane."""
         per_layer = 2 * self.num_key_value_heads * self.head_dim * bytes_per_element
         return per_layer * self.num_hidden_layers * self.num_loops
-
-    def with_threshold(self, threshold: float) -> "ModelConfig":
-        return dataclasses.replace(self, early_exit_threshold=threshold)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` content of an Ouro checkpoint with this shape."""

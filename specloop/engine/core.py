@@ -243,9 +243,6 @@ class EngineCore:
             outputs.extend(self.step())
         return outputs
 
-    def describe(self) -> dict[str, Any]:
-        return {"engine": self.config.summary(), "model": dataclasses.asdict(self.model.config),
-                "num_kv_pages": self.kv.num_pages, "max_model_len": self.max_model_len}
 
 
 def _resolve_device(device: str) -> str:
