@@ -1,13 +1,14 @@
 """One HTTP request's engine work: its jobs (one engine request per choice) as one stream.
 
-`Generation.start()` submits every job and waits for each one's first output, so a refusal
-(invalid prompt, full queue) raises before any byte of the response is sent and becomes a
-proper HTTP status. After that the jobs' outputs are merged, in arrival order, into one
-async iterator of `(choice index, RequestOutput)`.
+`Generation.start()` submits every job and waits until the engine accepted each one (not
+for its first output), so a refusal (invalid prompt, full queue) raises before any byte of
+the response is sent and becomes a proper HTTP status, while an accepted request's response
+can start at once, even while it waits in the queue. After that the jobs' outputs are
+merged, in arrival order, into one async iterator of `(choice index, RequestOutput)`.
 
-Lifetimes: every engine stream is consumed by a pump task; `close()` cancels the pumps, and
-`AsyncEngine.generate` aborts a request whose stream is left early, which frees its KV.
-`close()` does not await, so it is safe inside a cancelled scope (a client that left).
+Lifetimes: every engine stream is consumed by a pump task; `close()` cancels the pumps and
+aborts every accepted request that has not finished, which frees its KV. `close()` does
+not await, so it is safe inside a cancelled scope (a client that left).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fastapi import Request
 
 from server.metrics import RequestTimer, ServerMetrics
 from server.params import Job
-from specloop.engine.async_engine import AsyncEngine
+from specloop.engine.async_engine import AsyncEngine, RequestStream
 from specloop.engine.request import RequestOutput, Usage
 
 T = TypeVar("T")
@@ -33,33 +34,32 @@ class ClientGone(Exception):
 class Generation:
     def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str, metrics: ServerMetrics) -> None:
         self.jobs = jobs
-        self._streams = [engine.generate(j.prompt, j.params, request_id=f"{request_id}-{j.index}") for j in jobs]
+        self._engine = engine
+        self._request_id = request_id
+        self._streams: dict[int, RequestStream] = {}  # accepted jobs by choice index
         self._timers: list[RequestTimer] = [metrics.track() for _ in jobs]
         self._usage: dict[int, Usage] = {}
-        self._first: list[tuple[int, RequestOutput]] = []
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self._open = 0
 
     async def start(self) -> None:
-        """Submit every job and wait for its first output; raise the engine's refusal, if any."""
-        firsts = await asyncio.gather(*(anext(s) for s in self._streams), return_exceptions=True)
-        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        """Submit every job and wait until each is accepted; raise the engine's refusal, if any."""
+
+        async def add(job: Job) -> None:
+            stream = await self._engine.add(job.prompt, job.params, request_id=f"{self._request_id}-{job.index}")
+            self._streams[job.index] = stream
+
+        results = await asyncio.gather(*(add(j) for j in self.jobs), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
-            for stream, first in zip(self._streams, firsts):
-                if not isinstance(first, BaseException):
-                    await stream.aclose()  # aborts the ones that were admitted
-            self._close_timers()
+            self.close()  # aborts the ones that were accepted
             raise failure
-        for job, stream, first in zip(self.jobs, self._streams, firsts):
-            self._first.append((job.index, first))
-            if not first.finished:
-                self._open += 1
-                self._pumps.append(asyncio.create_task(self._pump(job.index, stream)))
+        for job in self.jobs:
+            self._open += 1
+            self._pumps.append(asyncio.create_task(self._pump(job.index, self._streams[job.index])))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        for index, out in self._first:
-            yield index, self._observe(index, out)
         while self._open:
             index, item = await self._queue.get()
             if isinstance(item, BaseException):
@@ -81,9 +81,11 @@ class Generation:
                      sum(u.completion_tokens for u in self._usage.values()))
 
     def close(self) -> None:
-        """Abort whatever is still running (the pumps' engine streams abort when cancelled)."""
+        """Abort whatever is still running."""
         for task in self._pumps:
             task.cancel()
+        for stream in self._streams.values():
+            stream.abort()
         self._close_timers()
 
     def _observe(self, index: int, out: RequestOutput) -> RequestOutput:

@@ -36,17 +36,30 @@ def events_of(text: str) -> list:
 
 
 async def test_failure_after_streaming_began_sends_error_event_then_done(engine, monkeypatch):
-    real = engine.generate
+    real = engine.add
 
-    async def fails_after_two(prompt, params, request_id=None):
-        count = 0
-        async for out in real(prompt, params, request_id=request_id):
-            yield out
-            count += 1
-            if count == 2:
+    class FailsAfterTwo:
+        """An accepted request's stream that dies after two outputs."""
+
+        def __init__(self, stream):
+            self.stream, self.count = stream, 0
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.count == 2:
                 raise EngineDeadError("the engine stopped: injected failure")
+            self.count += 1
+            return await self.stream.__anext__()
 
-    monkeypatch.setattr(engine, "generate", fails_after_two)
+        def abort(self):
+            self.stream.abort()
+
+    async def add(prompt, params, request_id=None):
+        return FailsAfterTwo(await real(prompt, params, request_id=request_id))
+
+    monkeypatch.setattr(engine, "add", add)
     async with client_for(engine) as client:
         reply = await client.post("/v1/completions", json={**BODY, "stream": True, "return_token_ids": True})
         assert reply.status_code == 200

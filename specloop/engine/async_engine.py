@@ -37,6 +37,36 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class RequestStream:
+    """One accepted request's outputs in order; `abort()` (or leaving early) ends it."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._stream = stream
+        self._finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise EngineDeadError(f"the engine stopped: {item}") from item
+        self._finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it finished; safe to call twice and from a cancelled scope."""
+        if not self._finished and self._engine.is_alive:
+            self._finished = True
+            rid, stream, engine = self.request_id, self._stream, self._engine
+            engine._submit(lambda: engine._abort_now(rid, stream))
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
@@ -70,10 +100,13 @@ class AsyncEngine:
         return self._stats
 
     # ---- public API -------------------------------------------------------------------
-    async def generate(
+    async def add(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's incremental outputs; leaving the iterator early aborts it."""
+    ) -> "RequestStream":
+        """Queue a request and return its output stream once the engine accepted it.
+
+        A refusal (invalid request, full queue) raises here, before any output exists, so a
+        server can answer with a status code and then start streaming at once."""
         params = params or SamplingParams()
         rid = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -83,20 +116,24 @@ class AsyncEngine:
             self.core.add_request(rid, prompt, params)
             self._streams[rid] = stream
 
-        finished = False
         try:
-            await self._call(add)  # inside the try: a cancel while adding still aborts
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine stopped: {item}") from item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished and self.is_alive:
+            await self._call(add)
+        except asyncio.CancelledError:  # the add may still run: abort what it queued
+            if self.is_alive:
                 self._submit(lambda: self._abort_now(rid, stream))
+            raise
+        return RequestStream(self, rid, stream)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's incremental outputs; leaving the iterator early aborts it."""
+        stream = await self.add(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
 
     async def abort(self, request_id: str) -> None:
         if self.is_alive:
