@@ -14,7 +14,8 @@ Requests run one at a time (batch 1, where speculation pays most). For each temp
 mode and (d, k): acceptance rate (accepted / drafted), mean acceptance length (tokens
 emitted per round), per-position acceptance (of the rounds that drafted candidate i, the
 share that accepted it), tokens per forward call, and wall-clock speedup over no
-speculation with the same prompts and lengths (time per output token).
+speculation with the same prompts and lengths (time per output token), against a
+baseline run right before each case.
 """
 
 from __future__ import annotations
@@ -87,10 +88,14 @@ def main() -> None:
     p.add_argument("--trace-out", help="write per-case accepted-count traces (for --replay)")
     p.add_argument("--replay", help="force verification outcomes from this trace file (label: replayed)")
     p.add_argument("--plot", help="only draw the PNG for this result file")
+    p.add_argument("--markdown", help="only print this result file as a markdown table")
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV pool per engine")
     args = p.parse_args()
     if args.plot:
         plot(Path(args.plot))
+        return
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
         return
     from specloop.llm import default_model
 
@@ -116,8 +121,9 @@ def main() -> None:
     for temp in temps:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=0, ignore_eos=True)
         base = run_case(plain, prompts, params, sync)
-        cases.append({"mode": "none", "temperature": temp, **base, "speedup": 1.0,
-                      "tokens_per_forward": base["output_tokens"] / base["forwards"]})
+        none_case = {"mode": "none", "temperature": temp, **base, "speedup": 1.0,
+                     "tokens_per_forward": base["output_tokens"] / base["forwards"], "baseline_runs_ms_per_token": []}
+        cases.append(none_case)
         print(f"T={temp} none: {base['ms_per_token']:.2f} ms/token", flush=True)
         settings = [("block", d, k) for d in ds for k in ks] if "block" in args.modes else []
         settings += [("pipeline", d, None) for d in ds] if "pipeline" in args.modes else []
@@ -129,6 +135,10 @@ def main() -> None:
             if traces_in is not None:
                 eng.executor.runner.replay = AcceptanceReplay(traces_in[key])
             eng.metrics = type(eng.metrics)(len(eng.metrics.accepted_per_position))  # measured run only
+            # Paired baseline: the plain engine runs right before each case, so drifts in
+            # host speed (this workload is launch-bound) hit both sides of the ratio alike.
+            base = run_case(plain, prompts, params, sync)
+            none_case["baseline_runs_ms_per_token"].append(base["ms_per_token"])
             res = run_case(eng, prompts, params, sync)
             m = eng.metrics
             traces[key] = list(m.accepted_trace)
@@ -138,6 +148,7 @@ def main() -> None:
                     "mean_acceptance_length": (res["accepted"] + res["rounds"]) / res["rounds"],
                     "per_position_acceptance": per_pos,
                     "tokens_per_forward": res["output_tokens"] / res["forwards"],
+                    "baseline_ms_per_token": base["ms_per_token"],
                     "speedup": base["ms_per_token"] / res["ms_per_token"]}
             cases.append(case)
             del eng  # one speculating engine (and its KV pool) at a time
@@ -159,6 +170,26 @@ def main() -> None:
         print(f"{c['temperature']:4.1f} {c['mode']:>8} {c.get('draft_loops') or '-':>2} {c.get('k') or '-':>2} "
               f"{c.get('acceptance_rate', 0):7.2f} {c.get('mean_acceptance_length', 1):5.2f} "
               f"{c['tokens_per_forward']:8.2f} {c['ms_per_token']:8.2f} {c['speedup']:8.2f}")
+
+
+def markdown(result: dict) -> str:
+    """The cases of a result file as the table docs/speculation.md shows."""
+    lines = ["| T | mode | d | k | acceptance | mean acceptance length | per-position acceptance | tokens / forward "
+             "| ms / token | paired baseline ms / token | speedup |", "|" + "---|" * 11]
+    for c in result["cases"]:
+        drafted = list(c.get("per_position_acceptance", []))
+        while drafted and drafted[-1] is None:  # positions no round drafted (a pipeline drafts one)
+            drafted.pop()
+        per_pos = ", ".join("–" if a is None else f"{a:.2f}" for a in drafted)
+        base = c.get("baseline_ms_per_token")
+        lines.append(
+            f"| {c['temperature']:.1f} | {c['mode']} | {c.get('draft_loops') or '–'} | {c.get('k') or '–'} "
+            f"| {c['acceptance_rate']:.2f} | {c['mean_acceptance_length']:.2f} | {per_pos or '–'} "
+            f"| {c['tokens_per_forward']:.2f} | {c['ms_per_token']:.1f} | {f'{base:.1f}' if base else '–'} "
+            f"| {c['speedup']:.2f} |" if c["mode"] != "none" else
+            f"| {c['temperature']:.1f} | none | – | – | – | 1.00 | – | {c['tokens_per_forward']:.2f} "
+            f"| {c['ms_per_token']:.1f} | – | 1.00 |")
+    return "\n".join(lines)
 
 
 def plot(path: Path) -> None:
