@@ -207,7 +207,9 @@ class AsyncEngine:
         while True:
             if future.set_running_or_notify_cancel():  # skip commands whose caller gave up
                 try:
-                    future.set_result(fn())
+                    result = fn()
+                    self._stats = self.core.stats()  # a caller that saw its command done sees its effect
+                    future.set_result(result)
                 except SpecloopError as exc:
                     future.set_exception(exc)
                 except BaseException as exc:

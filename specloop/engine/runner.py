@@ -1,8 +1,8 @@
 """The runner: turns a plan into device tensors and runs one forward call.
 
-It owns all device-side state between calls: KV pages, token slots (each live token's
-hidden state, exit survival and exited flag), each request's next-token cell and sampling
-generator. Nothing here reads a device value back to the CPU: sizes come from the plan,
+It owns all device-side state between calls: KV pages, token slot storage (each live
+token's hidden state, exit state, depth, candidate and incarnation), each request's
+next-token cell and draft buffer. Nothing here reads a device value back to the CPU: sizes come from the plan,
 sampled tokens stay on the device for the next plan and are copied to pinned host memory
 asynchronously for the commit. On CPU the same code simply runs synchronously.
 """
@@ -16,6 +16,7 @@ import torch
 from specloop.engine.attention import DecodeBatch, PagedAttention, PagedKVStorage, PrefillGroup
 from specloop.engine.plan import Plan, RowGroup
 from specloop.engine.sampler import SamplingBatch, draw_generator, probabilities, sample
+from specloop.engine.slot_storage import SlotStorage
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.acceptance import greedy_verify, speculative_sample, verify_single
@@ -62,9 +63,7 @@ class Runner:
         self.storage = PagedKVStorage(cfg.num_hidden_layers, num_pages, block_size, cfg.num_key_value_heads,
                                       cfg.head_dim, model.dtype, self.device)
         self.backend = PagedAttention(self.storage)
-        self.slot_hidden = torch.zeros(num_token_slots, cfg.hidden_size, dtype=model.dtype, device=self.device)
-        self.slot_survival = torch.ones(num_token_slots, dtype=torch.float32, device=self.device)
-        self.slot_exited = torch.zeros(num_token_slots, dtype=torch.bool, device=self.device)
+        self.slots = SlotStorage(num_token_slots, cfg.hidden_size, model.dtype, self.device)
         self.next_token = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
         k = num_speculative_tokens  # draft buffer width: block size, or R for token pipelines
         self.draft_tokens = torch.zeros(max_seqs, max(k, 1), dtype=torch.long, device=self.device)
@@ -90,35 +89,34 @@ class Runner:
     @torch.inference_mode()
     def execute(self, plan: Plan) -> TicketOutput:
         rows = self._rows(plan)
-        hidden = self.slot_hidden[rows.hidden_slots]
-        if rows.entering:  # depth-0 rows: embed, reset their slot's exit state
-            ids = torch.where(rows.from_device, self.next_token[rows.req_slots], rows.token_ids)
+        slots = self.slots
+        hidden = slots.hidden[rows.hidden_slots]
+        if rows.entering:  # depth-0 rows: embed into fresh slots
             enter = rows.enter_index
-            hidden[enter] = self.model.embed(ids[enter])
-            entering = rows.hidden_slots[enter]  # index_fill_: a scalar fill, no host-to-device copy
-            self.slot_survival.index_fill_(0, entering, 1.0)
-            self.slot_exited.index_fill_(0, entering, False)
-        keep = self.slot_exited[rows.hidden_slots] if plan.adaptive_exit else None
+            ids = torch.where(rows.from_device, self.next_token[rows.req_slots], rows.token_ids)[enter]
+            hidden[enter] = self.model.embed(ids)
+            slots.enter(rows.hidden_slots[enter], ids, rows.enter_incarnations)
+        keep = slots.exited[rows.hidden_slots] if plan.adaptive_exit else None
         self._set_attention(plan, rows, keep)
         out = self.model.loop(hidden, rows.positions, self.backend)
         if plan.adaptive_exit:
             out = self._exit(rows, out, keep)
-        self.slot_hidden[rows.hidden_slots] = out
+        slots.advance(rows.hidden_slots, rows.depths, out)
         return self._sample(plan, rows, out)
 
     def _exit(self, rows: "_Rows", out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Q-exit on the device; newly exited tokens expose their K/V to deeper planes."""
-        slots = rows.hidden_slots
-        survival = self.slot_survival[slots]
+        slots, store = rows.hidden_slots, self.slots
+        survival = store.survival[slots]
         exits, new_survival = exit_step(survival, self.model.exit_lambda(out), rows.depths + 1,
                                         self.num_loops, self.threshold)
         newly = exits & ~keep
-        self.slot_survival[slots] = torch.where(keep, survival, new_survival)
-        self.slot_exited[slots] = keep | exits
+        store.survival[slots] = torch.where(keep, survival, new_survival)
+        store.exited[slots] = keep | exits
         for plane in range(1, self.num_loops):
             deeper = newly & (rows.depths < plane)
             self.storage.inherit(rows.write_slots, rows.plane_slots[:, plane], deeper)
-        return torch.where(keep[:, None], self.slot_hidden[slots], out)
+        return torch.where(keep[:, None], store.hidden[slots], out)
 
     def _set_attention(self, plan: Plan, rows: "_Rows", keep: torch.Tensor | None) -> None:
         b = self.backend
@@ -242,7 +240,7 @@ class Runner:
 
     def _rows(self, plan: Plan) -> "_Rows":
         token_ids, from_device, req_slots, positions, depths = [], [], [], [], []
-        hidden_slots, write_slots, plane_slots, enter_index = [], [], [], []
+        hidden_slots, write_slots, plane_slots, enter_index, enter_incarnations = [], [], [], [], []
         offsets: dict[int, int] = {}
         for group in plan.groups:
             n = group.num_rows
@@ -250,6 +248,7 @@ class Runner:
             offsets[id(group)] = base
             if group.depth == 0:
                 enter_index.extend(range(base, base + n))
+                enter_incarnations.extend([group.incarnation] * n)
             token_ids.extend(group.token_ids if group.token_ids is not None else [0] * n)
             from_device.extend([group.token_ids is None] * n)
             req_slots.extend([group.req_slot] * n)
@@ -264,7 +263,9 @@ class Runner:
             token_ids=up(token_ids), from_device=up(from_device, torch.bool), req_slots=up(req_slots),
             positions=up(positions), depths=up(depths), hidden_slots=up(hidden_slots),
             write_slots=up(write_slots), plane_slots=up([list(p) for p in plane_slots]) if plane_slots else None,
-            enter_index=up(enter_index), entering=bool(enter_index), offsets=offsets,
+            enter_index=up(enter_index) if enter_index else None,
+            enter_incarnations=up(enter_incarnations) if enter_index else None, entering=bool(enter_index),
+            offsets=offsets,
         )
 
 
@@ -278,7 +279,8 @@ class _Rows:
     hidden_slots: torch.Tensor
     write_slots: torch.Tensor
     plane_slots: torch.Tensor | None  # [N, R] when adaptive exit is on
-    enter_index: torch.Tensor
+    enter_index: torch.Tensor | None  # rows entering depth 0 (None: no row enters)
+    enter_incarnations: torch.Tensor | None
     entering: bool
     offsets: dict[int, int]  # id(group) -> its first row
 

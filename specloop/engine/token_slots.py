@@ -1,7 +1,7 @@
 """Token slots: where a live token's state waits between loops (plain Python, no torch).
 
-A slot indexes the runner's per-slot device storage (hidden state, exit survival, exited
-flag). Its lifecycle:
+A slot indexes the device storage of `slot_storage.SlotStorage` (hidden state, exit
+state, depth, candidate, incarnation, reference room). Its lifecycle:
 
     empty --take--> source-ready --finish--> reusable --release--> empty
                          \\--retire--> retired --release--> empty
