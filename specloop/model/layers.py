@@ -17,7 +17,10 @@ from specloop.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Variance in fp32, normalise, cast back to the input dtype, then scale."""
+    """Variance in fp32, normalise, cast back to the input dtype, then scale.
+
+    The normalisation is `F.rms_norm` on the fp32 copy: one fused kernel on CUDA instead
+    of five eager ops (forward calls are launch-bound), the same arithmetic."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -26,8 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        var = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(var + self.eps)).to(x.dtype)
+        return self.weight * F.rms_norm(x32, x32.shape[-1:], None, self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
