@@ -181,14 +181,16 @@ def markdown(result: dict) -> str:
         while drafted and drafted[-1] is None:  # positions no round drafted (a pipeline drafts one)
             drafted.pop()
         per_pos = ", ".join("–" if a is None else f"{a:.2f}" for a in drafted)
+        if c["mode"] == "none":
+            lines.append(f"| {c['temperature']:.1f} | none | – | – | – | 1.00 | – | {c['tokens_per_forward']:.2f} "
+                         f"| {c['ms_per_token']:.1f} | – | 1.00 |")
+            continue
         base = c.get("baseline_ms_per_token")
         lines.append(
             f"| {c['temperature']:.1f} | {c['mode']} | {c.get('draft_loops') or '–'} | {c.get('k') or '–'} "
             f"| {c['acceptance_rate']:.2f} | {c['mean_acceptance_length']:.2f} | {per_pos or '–'} "
             f"| {c['tokens_per_forward']:.2f} | {c['ms_per_token']:.1f} | {f'{base:.1f}' if base else '–'} "
-            f"| {c['speedup']:.2f} |" if c["mode"] != "none" else
-            f"| {c['temperature']:.1f} | none | – | – | – | 1.00 | – | {c['tokens_per_forward']:.2f} "
-            f"| {c['ms_per_token']:.1f} | – | 1.00 |")
+            f"| {c['speedup']:.2f} |")
     return "\n".join(lines)
 
 

@@ -2,9 +2,9 @@
 
 It owns all device-side state between calls: KV pages, token slot storage (each live
 token's hidden state, exit state, depth, candidate and incarnation), each request's
-next-token cell and draft buffer. Nothing here reads a device value back to the CPU: sizes come from the plan,
-sampled tokens stay on the device for the next plan and are copied to pinned host memory
-asynchronously for the commit. On CPU the same code simply runs synchronously.
+next-token cell and draft buffer. Nothing here reads a device value back to the CPU:
+sizes come from the plan, sampled tokens stay on the device for the next plan and are
+copied to pinned host memory asynchronously for the commit. On CPU the same code simply runs synchronously.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Runner:
         rows = self._rows(plan)
         slots = self.slots
         hidden = slots.hidden[rows.hidden_slots]
-        if rows.entering:  # depth-0 rows: embed into fresh slots
+        if rows.enter_index is not None:  # depth-0 rows: embed into fresh slots
             enter = rows.enter_index
             ids = torch.where(rows.from_device, self.next_token[rows.req_slots], rows.token_ids)[enter]
             hidden[enter] = self.model.embed(ids)
@@ -264,8 +264,7 @@ class Runner:
             positions=up(positions), depths=up(depths), hidden_slots=up(hidden_slots),
             write_slots=up(write_slots), plane_slots=up([list(p) for p in plane_slots]) if plane_slots else None,
             enter_index=up(enter_index) if enter_index else None,
-            enter_incarnations=up(enter_incarnations) if enter_index else None, entering=bool(enter_index),
-            offsets=offsets,
+            enter_incarnations=up(enter_incarnations) if enter_index else None, offsets=offsets,
         )
 
 
@@ -281,7 +280,6 @@ class _Rows:
     plane_slots: torch.Tensor | None  # [N, R] when adaptive exit is on
     enter_index: torch.Tensor | None  # rows entering depth 0 (None: no row enters)
     enter_incarnations: torch.Tensor | None
-    entering: bool
     offsets: dict[int, int]  # id(group) -> its first row
 
 

@@ -95,7 +95,7 @@ class SlotStorage:
         self.hidden = torch.zeros(num_slots, hidden_size, dtype=dtype, device=device)
         self.survival = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.exited = torch.zeros(num_slots, dtype=torch.bool, device=device)
-        self.depth = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.depth = torch.zeros(num_slots, dtype=torch.long, device=device)  # the plan's dtype: no cast per call
         self.candidate = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.incarnation = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.reference = ReferenceState(num_slots, reference, device) if reference is not None else None
@@ -113,4 +113,4 @@ class SlotStorage:
     def advance(self, slots: torch.Tensor, depths: torch.Tensor, hidden: torch.Tensor) -> None:
         """Rows that ran loop `depth + 1` store their new state."""
         self.hidden[slots] = hidden
-        self.depth[slots] = (depths + 1).to(torch.int32)
+        self.depth[slots] = depths + 1
