@@ -26,3 +26,8 @@ class InvalidRequestError(SpecloopError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RequestFailedError(SpecloopError):
+    """One request failed inside the engine (adding, planning or committing it) and was ended;
+    the engine goes on serving every other request."""

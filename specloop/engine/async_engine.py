@@ -22,7 +22,8 @@ from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore, EngineStats
 from specloop.engine.request import RequestOutput
 from specloop.engine.sampling_params import SamplingParams
-from specloop.errors import SpecloopError
+from specloop.engine.tokenizer_pool import TokenizerPool
+from specloop.errors import InvalidRequestError, SpecloopError
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         self._stats = self.core.stats()
+        self.tokenizer_pool = TokenizerPool(self.core.tokenizer)
         self._thread = threading.Thread(target=self._run, name="specloop-engine", daemon=True)
         self._thread.start()
 
@@ -90,6 +92,10 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive() and not self._stopping.is_set()
+
+    async def in_tokenizer_pool(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(tokenizer)` on a tokenizer worker thread (never on the event loop or the engine thread)."""
+        return await self.tokenizer_pool.run(fn)
 
     def limits(self) -> tuple[int, int]:
         """(context length, most tokens a request may reserve); fixed at start-up."""
@@ -111,6 +117,11 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._check_alive()
+        if isinstance(prompt, str):
+            text = prompt
+            prompt = await self.in_tokenizer_pool(lambda tok: tok.encode(text, add_special_tokens=False))
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
 
         def add() -> None:
             self.core.add_request(rid, prompt, params)
@@ -144,6 +155,7 @@ class AsyncEngine:
         if self._thread.is_alive() and not self._stopping.is_set():
             await self._call(self._abort_all)
         self._stopping.set()
+        self.tokenizer_pool.shutdown()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
