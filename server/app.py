@@ -36,6 +36,7 @@ S = TypeVar("S")
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # nginx's status for a client that left; nobody reads it
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # request bodies above this get 413 before they are parsed
 
 
 @dataclasses.dataclass
@@ -64,7 +65,8 @@ def engine_limits(engine: AsyncEngine) -> Limits:
     return Limits(*engine.limits())
 
 
-def create_app(engine: AsyncEngine, model_name: str, model_path: str | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, model_path: str | None = None, *, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_aliases: tuple[str, ...] = ()) -> FastAPI:
     state = ServerState(engine, model_name, model_path or engine.config.model, engine_limits(engine),
                         ServerMetrics(engine))
     app = FastAPI(title="specloop", docs_url=None, redoc_url=None, openapi_url=None)

@@ -53,6 +53,8 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "max_num_batched_tokens": (int, "rows (token, depth) per forward call"),
     "max_model_len": (int, "context length limit"),
     "max_waiting_requests": (int, "bounded waiting queue"),
+    "max_stop_strings": (int, "stop strings one request may give"),
+    "max_stop_chars": (int, "characters over all of one request's stop strings"),
     "exit_threshold": (float, "Q-exit threshold (1.0: every loop)"),
     "speculation": (str, "none, block (self-speculation rounds) or pipeline (token pipelines)"),
     "draft_loops": (int, "draft depth d for speculation (1..loops-1, default 2)"),

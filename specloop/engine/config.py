@@ -29,6 +29,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # rows (token, depth) per forward call
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_waiting_requests: int = 1024  # bounded FCFS queue; more is rejected
+    max_stop_strings: int = 64  # stop strings one request may give
+    max_stop_chars: int = 4096  # characters over all of one request's stop strings
     exit_threshold: float | None = None  # Q-exit threshold; None: the checkpoint's
     max_inflight_tickets: int = 2  # tickets submitted before the oldest is committed
     speculation: str = "none"  # none | block (self-speculation rounds) | pipeline (token pipelines)
@@ -43,6 +45,7 @@ class EngineConfig:
 
         for name in ("block_size", "num_kv_pages", "kv_cache_bytes", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
+                     "max_stop_strings", "max_stop_chars",
                      "max_inflight_tickets", "draft_loops", "num_speculative_tokens"):
             positive(name)
         if self.speculation not in SPECULATION_MODES:
