@@ -31,3 +31,8 @@ class InvalidRequestError(SpecloopError):
 class RequestFailedError(SpecloopError):
     """One request failed inside the engine (adding, planning or committing it) and was ended;
     the engine goes on serving every other request."""
+
+
+class EngineDeadError(SpecloopError):
+    """The engine stopped after a failure that may have corrupted shared state (a forward
+    call); it serves nothing more."""

@@ -47,7 +47,9 @@ def test_greedy_threshold():
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1), ("top_p", float("nan")), ("top_p", False),
     ("top_k", -2), ("top_k", 1.0), ("top_k", True),
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("-inf")), ("min_p", True),
-    ("seed", 1.5), ("seed", "7"), ("seed", True),
+    ("seed", 1.5), ("seed", "7"), ("seed", True), ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", 2**70),
+    ("max_tokens", 2**63), ("top_k", 2**63), ("top_k", 10**30), ("stop_token_ids", [2**63]),
+    ("temperature", 1e39), ("top_p", 1e-300), ("top_p", 7e-46),
     ("stop", 3), ("stop", ""), ("stop", ["ok", ""]), ("stop", ["ok", 5]), ("stop", {"a"}), ("stop", [None]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", 5),
     ("stop_token_ids", "12"),
@@ -70,8 +72,22 @@ def test_long_bad_value_is_shortened_to_one_line():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(top_k=1), dict(top_k=50), dict(top_p=1e-3), dict(min_p=1.0), dict(seed=0), dict(seed=2**70),
-    dict(seed=-4), dict(max_tokens=1), dict(stop_token_ids=(0, 5)), dict(ignore_eos=True, logprobs=True),
+    dict(top_k=1), dict(top_k=50), dict(top_p=1e-3), dict(min_p=1.0), dict(seed=0), dict(seed=2**63 - 1),
+    dict(seed=-(2**63)), dict(seed=-4), dict(top_p=1.5e-45), dict(temperature=3.4e38), dict(top_k=2**63 - 1), dict(max_tokens=1), dict(stop_token_ids=(0, 5)), dict(ignore_eos=True, logprobs=True),
 ])
 def test_accepts_edge_values(kwargs):
     SamplingParams(**kwargs)
+
+
+def test_top_p_that_survives_fp32_keeps_the_top_token():
+    """The bound on top_p is the fp32 the sampler uses: the smallest accepted value still
+    samples (keeps the most likely token) instead of dropping every token."""
+    import torch
+
+    from specloop.engine.sampler import SamplingBatch, draw_generator, sample
+
+    params = SamplingParams(top_p=1.5e-45, temperature=1.0, seed=3)
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    batch = SamplingBatch.build([params], [draw_generator(3, 0, 0, 0, "t", "cpu")], "cpu")
+    assert batch.top_p.item() > 0
+    assert sample(logits, batch).token_ids.tolist() == [1]

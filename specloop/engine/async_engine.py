@@ -23,13 +23,9 @@ from specloop.engine.core import EngineCore, EngineStats
 from specloop.engine.request import RequestOutput
 from specloop.engine.sampling_params import SamplingParams
 from specloop.engine.tokenizer_pool import TokenizerPool
-from specloop.errors import InvalidRequestError, SpecloopError
+from specloop.errors import EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(SpecloopError):
-    """The engine thread stopped after an internal error; the engine serves nothing more."""
 
 
 @dataclasses.dataclass
@@ -58,6 +54,8 @@ class RequestStream:
             self._finished = True
             raise EngineDeadError(f"the engine stopped: {item}") from item
         self._finished = item.finished
+        if item.error is not None:  # this request alone failed; the engine serves on
+            raise RequestFailedError(item.error)
         return item
 
     def abort(self) -> None:

@@ -25,11 +25,12 @@ from specloop.engine.config import EngineConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.engine.executor import Executor, SampleResult, Ticket
 from specloop.engine.kv_manager import KVManager
-from specloop.engine.request import Request, RequestOutput
+from specloop.engine.request import Request, RequestOutput, Status
 from specloop.engine.runner import Runner
+from specloop.engine.sampler import check_representable
 from specloop.engine.sampling_params import SamplingParams
 from specloop.engine.scheduler import Scheduler
-from specloop.errors import ConfigError, InvalidRequestError, SpecloopError
+from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.block import BlockSpeculation
 from specloop.pipeline.metrics import SpeculationMetrics
@@ -104,6 +105,7 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inflight: collections.deque[Ticket] = collections.deque()
         self._arrivals = itertools.count()
+        self.failure: BaseException | None = None  # set when a step failed outside one request
         log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB)", config.model, device,
                  num_pages, config.block_size, num_pages * page_bytes / 2**20)
 
@@ -127,10 +129,35 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
+        """Validate and queue a request; raises InvalidRequestError, QueueFullError or EngineDeadError.
+
+        Everything that can fail runs before any engine state changes, so a refused or
+        failed add leaves no trace; an unexpected failure (a tokenizer bug, say) raises
+        RequestFailedError and the engine goes on serving.
+        """
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine stopped after a failed forward call: {self.failure}")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        ids = self._prompt_ids(prompt)
+        try:
+            ids = self._prompt_ids(prompt)
+            self._check_limits(ids, params)
+            if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+                raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+            check_representable(params)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        except SpecloopError:
+            raise
+        except Exception as exc:
+            log.exception("adding request %s failed", request_id)
+            raise RequestFailedError(f"the request failed while being added: {type(exc).__name__}: {exc}") from exc
+        req = Request(request_id, ids, params, arrival=next(self._arrivals))
+        self.requests[request_id] = req
+        self._detok[request_id] = detok
+        self.scheduler.add(req)
+
+    def _check_limits(self, ids: list[int], params: SamplingParams) -> None:
+        """The bounds that depend on the served model and the engine configuration."""
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -140,12 +167,22 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt plus max_tokens ({total} tokens) needs {self.kv.pages_for(total)} KV pages but the "
                 f"cache has {self.kv.num_pages}", param="max_tokens")
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
-        req = Request(request_id, ids, params, arrival=next(self._arrivals))
-        self.requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
-        self.scheduler.add(req)
+        vocab = self.model.config.vocab_size
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab} (or -1 / 0 to disable), "
+                                      f"got {params.top_k}", param="top_k")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                      param="stop_token_ids")
+        cfg = self.config
+        if len(params.stop) > cfg.max_stop_strings:
+            raise InvalidRequestError(f"stop: at most {cfg.max_stop_strings} stop strings are allowed, got "
+                                      f"{len(params.stop)}", param="stop")
+        chars = sum(len(s) for s in params.stop)
+        if chars > cfg.max_stop_chars:
+            raise InvalidRequestError(f"stop: the stop strings may hold {cfg.max_stop_chars} characters in all, "
+                                      f"got {chars}", param="stop")
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -185,17 +222,31 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. A failure that belongs to one request (planning or committing
+        it) ends that request with an error and the step goes on; anything else raised
+        here (a forward call, shared bookkeeping) may have corrupted shared state, so it
+        marks the engine dead and propagates."""
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine stopped after a failed forward call: {self.failure}")
+        try:
+            return self._step()
+        except BaseException as exc:
+            self.failure = exc
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule() if len(self._inflight) < self.config.max_inflight_tickets else None
+        outputs = [self._fail(req, exc, "planned") for req, exc in self.scheduler.take_failed()]
         if plan is not None:
             self._inflight.append(self.executor.submit(plan))
         if self._inflight and (plan is None or len(self._inflight) >= self.config.max_inflight_tickets):
             ticket = self._inflight.popleft()
-            outputs = self._commit(ticket.result())
+            outputs += self._commit(ticket.result())
             self.scheduler.ticket_done(ticket.ticket_id)
             return outputs
-        if plan is None and self.requests:
+        if plan is None and self.requests and not outputs:
             raise RuntimeError("scheduler stalled: live requests but no work and no ticket in flight")
-        return []
+        return outputs
 
     def _commit(self, results: list[SampleResult]) -> list[RequestOutput]:
         outputs = []
@@ -203,13 +254,34 @@ class EngineCore:
             req = self.requests.get(res.record.request_id)
             if req is None or req.incarnation != res.record.incarnation:
                 continue  # stale: the request ended or its ID was reused
-            assert res.record.sample_index == len(req.output_ids), "samples commit in order"
-            if res.record.num_drafts >= 0:
-                self.metrics.record_round(req, res.record.num_drafts, res.accepted)
-            outputs.append(self._accept(req, res.tokens, res.logprobs))
-            if not outputs[-1].finished and res.record.controlled:
-                self.scheduler.committed(req, res.accepted, res.record.sample_index, res.tokens[-1])
+            try:
+                outputs.append(self._commit_one(req, res))
+            except Exception as exc:
+                outputs.append(self._fail(req, exc, "committed"))
         return outputs
+
+    def _commit_one(self, req: Request, res: SampleResult) -> RequestOutput:
+        assert res.record.sample_index == len(req.output_ids), "samples commit in order"
+        if res.record.num_drafts >= 0:
+            self.metrics.record_round(req, res.record.num_drafts, res.accepted)
+        out = self._accept(req, res.tokens, res.logprobs)
+        if not out.finished and res.record.controlled:
+            self.scheduler.committed(req, res.accepted, res.record.sample_index, res.tokens[-1])
+        return out
+
+    def _fail(self, req: Request, exc: Exception, stage: str) -> RequestOutput:
+        """End one request whose planning or commit raised; the engine goes on serving.
+
+        Its storage returns like an abort's (once the tickets in flight completed) and
+        whatever it had not yet emitted is lost; its final output carries the error."""
+        log.error("request %s failed while being %s", req.request_id, stage, exc_info=exc)
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+            self._detok.pop(req.request_id, None)
+        if req.status is not Status.FINISHED:
+            self.scheduler.finish(req, "error")
+        message = f"the request failed while being {stage}: {type(exc).__name__}: {exc}"
+        return RequestOutput(req.request_id, "", [], True, "error", req.usage(), None, error=message)
 
     def _accept(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
         """Append tokens in order, stopping at exactly the token that ends the request."""

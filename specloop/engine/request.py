@@ -49,9 +49,10 @@ class RequestOutput:
     text: str  # new text (delta)
     token_ids: list[int]  # new token ids (delta)
     finished: bool
-    finish_reason: str | None  # stop | length | abort
+    finish_reason: str | None  # stop | length | abort | error
     usage: Usage
     logprobs: list[float] | None = None  # of the new tokens, when requested
+    error: str | None = None  # with finish_reason "error": what failed (the engine serves on)
 
 
 @dataclasses.dataclass

@@ -111,6 +111,15 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+def check_representable(params: SamplingParams) -> None:
+    """Build this request's sampling row on the CPU once, at admission.
+
+    The runner builds the same tensors in the middle of a forward call, where a failure
+    would end the engine; building them here first turns a value the device dtypes cannot
+    hold into a refusal of this one request."""
+    SamplingBatch.build([params], [draw_generator(params.seed, 0, 0, 0, "check", "cpu")], "cpu")
+
+
 def make_generator(seed: int | None, engine_seed: int, request_index: int,
                    device: torch.device | str) -> torch.Generator:
     """A request's generator: its own seed, or one derived from (engine seed, request index).

@@ -62,6 +62,7 @@ class Scheduler:
         self._next_ticket = 0
         self._completed = -1
         self._deferred: list[tuple[int, Callable[[], None]]] = []  # (release after ticket, action)
+        self._failed: list[tuple[Request, Exception]] = []  # planning failures not yet taken
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -73,7 +74,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-            slots = list(req.hidden_slots.values()) + unused_slots(req)
+            slots = list(dict.fromkeys(list(req.hidden_slots.values()) + unused_slots(req)))
             self.token_slots.retire(slots)
             rid, req_slot = req.kv_key, req.req_slot
             self._defer(lambda: (self.kv.free(rid), self.token_slots.release(slots), self.req_slots.give([req_slot])))
@@ -113,35 +114,34 @@ class Scheduler:
             self.running.append(req)
 
     def schedule(self) -> Plan | None:
+        """The next plan, or None when nothing is ready.
+
+        Planning one request can fail without touching another: its exception is kept
+        (`take_failed`), its groups planned so far stay in the plan (their results turn
+        stale once the caller ends the request), and the others are planned as usual."""
         self._admit()
         budget = self.max_rows
         groups: list[RowGroup] = []
         release: list[int] = []
         prefills: list[tuple[Request, int, int]] = []
         for req in self.running:
-            if req.speculating:
-                for group in self.speculation.groups(req, budget, self._make_group, self.token_slots.take):
-                    groups.append(group)
-                    budget -= group.num_rows
-                    if group.depth == self.num_loops - 1:
-                        release.extend(group.hidden_slots)
-                continue
-            frontiers = [self.kv.frontier(req.kv_key, d) for d in range(self.num_loops)]
-            num_tokens = req.num_tokens
-            for depth in range(self.num_loops - 1, 0, -1):
-                take = min(budget, frontiers[depth - 1] - frontiers[depth])
-                if take > 0:
-                    groups.append(self._group(req, depth, frontiers[depth], frontiers[depth] + take, num_tokens, release))
-                    budget -= take
-            waiting_rows = num_tokens - frontiers[0]
-            if waiting_rows > 0:
-                prefills.append((req, frontiers[0], waiting_rows))
+            size, taken = len(groups), []
+            try:
+                self._plan_running(req, budget, groups, release, prefills, taken)
+            except Exception as exc:
+                self._failed.append((req, exc))
+                self._retire_orphans(req, taken)
+            budget -= sum(g.num_rows for g in groups[size:])
         # Single-token decodes before prompt chunks; each entering row needs a token slot.
         prefills.sort(key=lambda p: (p[2] > 1, p[0].arrival))
         for req, start, rows in prefills:
             take = min(budget, rows, self.token_slots.num_free)
             if take > 0:
-                groups.append(self._group(req, 0, start, start + take, req.num_tokens, release))
+                try:
+                    groups.append(self._group(req, 0, start, start + take, req.num_tokens, release))
+                except Exception as exc:
+                    self._failed.append((req, exc))
+                    continue
                 budget -= take
         if not groups:
             return None
@@ -151,6 +151,47 @@ class Scheduler:
             self.token_slots.finish(release)
             self._defer(lambda: self.token_slots.release(release))
         return plan
+
+    def _retire_orphans(self, req: Request, taken: list[int]) -> None:
+        """Slots taken while planning a request that failed before anything recorded them."""
+        held = set(req.hidden_slots.values()) | set(unused_slots(req))
+        orphans = [s for s in taken if s not in held]
+        if orphans:
+            self.token_slots.retire(orphans)
+            self._defer(lambda: self.token_slots.release(orphans))
+
+    def take_failed(self) -> list[tuple[Request, Exception]]:
+        """Requests whose planning raised since the last call; the caller ends each one."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _plan_running(self, req: Request, budget: int, groups: list[RowGroup], release: list[int],
+                      prefills: list[tuple[Request, int, int]], taken: list[int]) -> None:
+        """One running request's rows: the controller's, or the dense path's deeper rows
+        (the rows entering depth 0 are queued in `prefills`). Token slots the controller
+        takes are noted in `taken`, so a failure cannot leak them."""
+        if req.speculating:
+            def take(n: int) -> list[int] | None:
+                slots = self.token_slots.take(n)
+                taken.extend(slots or ())
+                return slots
+
+            for group in self.speculation.groups(req, budget, self._make_group, take):
+                groups.append(group)
+                budget -= group.num_rows
+                if group.depth == self.num_loops - 1:
+                    release.extend(group.hidden_slots)
+            return
+        frontiers = [self.kv.frontier(req.kv_key, d) for d in range(self.num_loops)]
+        num_tokens = req.num_tokens
+        for depth in range(self.num_loops - 1, 0, -1):
+            take = min(budget, frontiers[depth - 1] - frontiers[depth])
+            if take > 0:
+                groups.append(self._group(req, depth, frontiers[depth], frontiers[depth] + take, num_tokens, release))
+                budget -= take
+        waiting_rows = num_tokens - frontiers[0]
+        if waiting_rows > 0:
+            prefills.append((req, frontiers[0], waiting_rows))
 
     def _group(self, req: Request, depth: int, start: int, end: int, num_tokens: int, release: list[int]) -> RowGroup:
         """A group of the dense path; the request's last row at full depth is sampled."""

@@ -81,9 +81,11 @@ class BlockSpeculation:
             if budget < 1 or rnd.slots is None:
                 return []
             pos = rnd.base + rnd.row
-            entering = [rnd.slots.pop(0)] if rnd.depth == 0 else None
+            entering = rnd.slots[:1] if rnd.depth == 0 else None
             known = [rnd.token] if rnd.row == 0 and rnd.depth == 0 and rnd.token is not None else None
             group = make_group(req, rnd.depth, pos, pos + 1, entering, known)
+            if entering:  # the row holds its slot now (popped only once planned, so a failure cannot lose it)
+                rnd.slots.pop(0)
             if rnd.depth == self.draft_loops - 1 and rnd.row < rnd.k:
                 group.sample, group.draft_index = req.params, rnd.row
             rnd.depth += 1
