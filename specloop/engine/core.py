@@ -151,7 +151,8 @@ class EngineCore:
         except Exception as exc:
             log.exception("adding request %s failed", request_id)
             raise RequestFailedError(f"the request failed while being added: {type(exc).__name__}: {exc}") from exc
-        req = Request(request_id, ids, params, arrival=next(self._arrivals))
+        req = Request(request_id, ids, params, arrival=next(self._arrivals),
+                      stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids))
         self.requests[request_id] = req
         self._detok[request_id] = detok
         self.scheduler.add(req)
@@ -291,7 +292,7 @@ class EngineCore:
         for token in tokens:
             req.output_ids.append(token)
             taken.append(token)
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.stop_ids):
+            if token in req.stop_ids:
                 return self._end(req, "stop", text + detok.flush(), taken, logprobs)  # no text for it
             text += detok.add(token)
             if detok.stopped:

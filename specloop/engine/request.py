@@ -61,6 +61,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: int  # FCFS order
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: stop_token_ids, and eos unless ignore_eos
     incarnation: int = dataclasses.field(default_factory=new_incarnation)
     status: Status = Status.WAITING
     req_slot: int = -1  # index of the request's device-side state (next token, generator)
