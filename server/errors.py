@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from server.protocol import ErrorInfo, ErrorResponse
 from specloop.engine.async_engine import EngineDeadError
 from specloop.engine.core import QueueFullError
-from specloop.errors import InvalidRequestError
+from specloop.errors import InvalidRequestError, RequestFailedError
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
@@ -55,7 +55,19 @@ def from_engine(exc: Exception) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    if isinstance(exc, RequestFailedError):  # this request only; the engine serves on
+        return internal_error(str(exc), code="request_failed")
+    return internal_error(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def internal_error(message: str, code: str | None = None) -> APIError:
+    return APIError(500, message, type="server_error", code=code)
+
+
+def too_deep() -> APIError:
+    """msgspec raises RecursionError for JSON nested past Python's recursion limit (~1,000 levels)."""
+    return bad_request("the body is not valid JSON for this server: it nests arrays or objects too deeply "
+                       "(more than about 1,000 levels)", code="invalid_json")
 
 
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")

@@ -9,11 +9,16 @@ merged, in arrival order, into one async iterator of `(choice index, RequestOutp
 Lifetimes: every engine stream is consumed by a pump task; `close()` cancels the pumps and
 aborts every accepted request that has not finished, which frees its KV. `close()` does
 not await, so it is safe inside a cancelled scope (a client that left).
+
+Metrics: the jobs are timed (from the HTTP request's arrival) only once the engine accepted
+all of them. A refused request is answered with an error status and counted there, never
+as finished with "abort" nor in the latency histograms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -32,12 +37,16 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str, metrics: ServerMetrics,
+                 arrival: float | None = None) -> None:
+        """`arrival`: when the HTTP request arrived (perf_counter), the start of its latencies."""
         self.jobs = jobs
         self._engine = engine
         self._request_id = request_id
+        self._metrics = metrics
+        self._arrival = time.perf_counter() if arrival is None else arrival
         self._streams: dict[int, RequestStream] = {}  # accepted jobs by choice index
-        self._timers: list[RequestTimer] = [metrics.track() for _ in jobs]
+        self._timers: dict[int, RequestTimer] = {}  # filled once every job was accepted
         self._usage: dict[int, Usage] = {}
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
@@ -53,8 +62,9 @@ class Generation:
         results = await asyncio.gather(*(add(j) for j in self.jobs), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
-            self.close()  # aborts the ones that were accepted
+            self.close()  # aborts the ones that were accepted (untimed: the request was refused)
             raise failure
+        self._timers = {job.index: self._metrics.track(self._arrival) for job in self.jobs}
         for job in self.jobs:
             self._open += 1
             self._pumps.append(asyncio.create_task(self._pump(job.index, self._streams[job.index])))
@@ -62,7 +72,8 @@ class Generation:
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self._open:
             index, item = await self._queue.get()
-            if isinstance(item, BaseException):
+            if isinstance(item, BaseException):  # this choice failed; close() aborts the others
+                self._timers[index].close("error")
                 raise item
             if item.finished:
                 self._open -= 1
@@ -94,7 +105,7 @@ class Generation:
         return out
 
     def _close_timers(self) -> None:
-        for timer in self._timers:
+        for timer in self._timers.values():
             timer.close()
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:

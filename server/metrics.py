@@ -9,8 +9,14 @@ Latencies are measured in the server from the timing of each request's output st
   is counted per token);
 - end-to-end latency: request arrival to its final output (or to the client leaving).
 
+Only requests the engine accepted are timed and counted as finished: a request refused
+before that (400, 413, 503...) is counted once in `specloop_request_errors_total{status}`
+and nowhere else. A request that failed inside the engine finishes with reason "error".
+
 The engine gauges are read from `AsyncEngine.stats()` (the last snapshot the engine thread
-published) at scrape time.
+published) at scrape time. Beside our `specloop_*` series the same values are offered under
+vLLM's names (`vllm:*`, label `model_name` = the served name), so dashboards built for vLLM
+work unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from specloop.engine.async_engine import AsyncEngine
+from specloop.engine.core import EngineStats
 from specloop.engine.request import RequestOutput, Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,8 +42,9 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         r = self.registry
         self.ttft = Histogram("specloop_time_to_first_token_seconds", "Request arrival to first token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -51,20 +59,41 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("specloop_request_errors", "Requests answered with an error, by status.",
                               ["status"], registry=r)
-        r.register(_EngineCollector(engine))
+        self._vllm_series(model_name)
+        r.register(_EngineCollector(engine, model_name))
 
-    def track(self) -> "RequestTimer":
-        """Start timing one engine request (one choice) now."""
-        return RequestTimer(self)
+    def _vllm_series(self, name: str) -> None:
+        """vLLM's names for the series above, each labelled with the served model."""
+        r, label = self.registry, ["model_name"]
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", label,
+                                   buckets=TTFT_BUCKETS, registry=r).labels(name)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", label,
+                                  buckets=ITL_BUCKETS, registry=r).labels(name)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                                  label, buckets=E2E_BUCKETS, registry=r).labels(name)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", label,
+                                          registry=r).labels(name)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", label,
+                                              registry=r).labels(name)
+        self.vllm_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                    ["model_name", "finished_reason"], registry=r)
+
+    def track(self, start: float | None = None) -> "RequestTimer":
+        """Time one accepted engine request (one choice) from `start` (perf_counter; default now)."""
+        return RequestTimer(self, start)
+
+    def count_error(self, status: int) -> None:
+        """One error response (call once per response)."""
+        self.errors.labels(str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class RequestTimer:
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, start: float | None = None) -> None:
         self._m = metrics
-        self._start = self._last = time.perf_counter()
+        self._start = self._last = time.perf_counter() if start is None else start
         self._first_seen = False
         self._usage: Usage | None = None
         self._done = False
@@ -74,38 +103,50 @@ class RequestTimer:
         if out.token_ids:
             if not self._first_seen:
                 self._m.ttft.observe(now - self._start)
+                self._m.vllm_ttft.observe(now - self._start)
                 self._first_seen = True
             else:
                 gap = (now - self._last) / len(out.token_ids)
                 for _ in out.token_ids:
                     self._m.itl.observe(gap)
+                    self._m.vllm_itl.observe(gap)
             self._last = now
         self._usage = out.usage
         if out.finished:
             self._finish(out.finish_reason or "abort", now)
 
-    def close(self) -> None:
-        """The request ended without a final output (client gone, engine failure): an abort."""
+    def close(self, reason: str = "abort") -> None:
+        """The request ended without a final output: "abort" (client gone, shutdown) or "error"."""
         if not self._done:
-            self._finish("abort", time.perf_counter())
+            self._finish(reason, time.perf_counter())
 
     def _finish(self, reason: str, now: float) -> None:
+        m = self._m
         self._done = True
-        self._m.e2e.observe(now - self._start)
-        self._m.finished.labels(reason).inc()
+        m.e2e.observe(now - self._start)
+        m.vllm_e2e.observe(now - self._start)
+        m.finished.labels(reason).inc()
+        m.vllm_success.labels(m.model_name, reason).inc()
         if self._usage is not None:
-            self._m.prompt_tokens.inc(self._usage.prompt_tokens)
-            self._m.generation_tokens.inc(self._usage.completion_tokens)
+            m.prompt_tokens.inc(self._usage.prompt_tokens)
+            m.vllm_prompt_tokens.inc(self._usage.prompt_tokens)
+            m.generation_tokens.inc(self._usage.completion_tokens)
+            m.vllm_generation_tokens.inc(self._usage.completion_tokens)
 
 
 class _EngineCollector(Collector):
     """Scheduler and KV gauges, and speculation counters, from the engine's last published stats."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self._engine = engine
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self._engine.stats()
+        s = self._engine.stats()  # one snapshot for both namings
+        yield from self._ours(s)
+        yield from self._vllm(s)
+
+    def _ours(self, s: EngineStats) -> Iterator[Metric]:
         yield GaugeMetricFamily("specloop_num_requests_running", "Requests being computed.", s.running)
         yield GaugeMetricFamily("specloop_num_requests_waiting", "Requests in the waiting queue.", s.waiting)
         yield GaugeMetricFamily("specloop_kv_cache_usage_ratio", "KV pages held or reserved / all pages.",
@@ -123,4 +164,23 @@ class _EngineCollector(Collector):
                                            "Rounds whose draft at this position was accepted.", labels=["position"])
         for position, count in enumerate(s.accepted_per_position):
             per_position.add_metric([str(position)], count)
+        yield per_position
+
+    def _vllm(self, s: EngineStats) -> Iterator[Metric]:
+        name = [self._model_name]
+        for family, kind, doc, value in (
+                ("vllm:num_requests_running", GaugeMetricFamily, "Requests being computed.", s.running),
+                ("vllm:num_requests_waiting", GaugeMetricFamily, "Requests waiting to be computed.", s.waiting),
+                ("vllm:kv_cache_usage_perc", GaugeMetricFamily, "KV-cache usage; 1 means 100 percent.", s.kv_usage),
+                ("vllm:spec_decode_num_drafts", CounterMetricFamily, "Speculation rounds.", s.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", CounterMetricFamily, "Draft tokens.", s.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", CounterMetricFamily, "Accepted draft tokens.",
+                 s.num_accepted_tokens)):
+            metric = kind(family, doc, labels=["model_name"])
+            metric.add_metric(name, value)
+            yield metric
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted draft tokens by position.", labels=["model_name", "position"])
+        for position, count in enumerate(s.accepted_per_position):
+            per_position.add_metric([self._model_name, str(position)], count)
         yield per_position

@@ -1,8 +1,11 @@
 """From decoded wire requests to engine work: prompts and `SamplingParams`.
 
 Each prompt of a request becomes one `Job` (one engine request, one choice). Fields the
-engine cannot honour with a non-default value (n > 1, penalties, echo...) are refused with
-a 400 naming the field, rather than silently ignored.
+engine cannot honour with a non-default value (n > 1, penalties, echo, tools, structured
+output...) are refused with a 400 naming the field, rather than silently ignored.
+
+Everything here is cheap and runs on the event loop, except `encode_chat` (the messages'
+checks, the chat template and the encoding), which the app runs in the tokenizer pool.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import msgspec
+
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _GenerationRequest
 from specloop.engine.sampling_params import SamplingParams
 from specloop.errors import InvalidRequestError
 
@@ -32,9 +37,10 @@ class Limits:
 
     max_model_len: int
     max_request_tokens: int  # prompt + max_tokens that the KV cache can ever hold
+    max_prompts: int  # prompts of one request: more can never all be queued (the waiting queue's size)
 
 
-def completion_jobs(req: CompletionRequest) -> list[Job]:
+def completion_jobs(req: CompletionRequest, limits: Limits) -> list[Job]:
     _refuse_unsupported(req)
     if req.echo:
         raise bad_request("echo is not supported", "echo")
@@ -47,16 +53,43 @@ def completion_jobs(req: CompletionRequest) -> list[Job]:
                           f"are not supported, got {req.logprobs}", "logprobs")
     max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, max_tokens, logprobs=req.logprobs is not None)
-    return [Job(i, p, params) for i, p in enumerate(_prompts(req.prompt))]
+    prompts = _prompts(req.prompt)
+    if len(prompts) > limits.max_prompts:  # a 503 would make clients retry a request that can never fit
+        raise bad_request(f"the request has {len(prompts)} prompts but the server queues at most "
+                          f"{limits.max_prompts} requests at once (--max-waiting-requests); send fewer "
+                          "prompts per request", "prompt")
+    return [Job(i, p, params) for i, p in enumerate(prompts)]
 
 
-def chat_job(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Job:
-    """The chat template applied to the messages, tokenized; max_tokens defaults to what fits."""
+def check_chat(req: ChatCompletionRequest) -> None:
+    """Refuse what chat cannot honour (cheap: before anything is tokenized)."""
     _refuse_unsupported(req)
+    _refuse_chat_only(req)
     if req.top_logprobs not in (None, 0):
         raise bad_request(f"top_logprobs must be 0 or null: top alternatives are not supported, "
                           f"got {req.top_logprobs}", "top_logprobs")
-    prompt_ids = _apply_chat_template(req, tokenizer)
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+
+
+def encode_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+                add_special_tokens: bool = False) -> list[int]:
+    """The messages checked, through the chat template and encoded: up to seconds for long chats,
+    so the app runs this in the tokenizer pool."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    turns = [_message_dict(i, m) for i, m in enumerate(messages)]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("the served model's tokenizer has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja raises many types for messages a template refuses
+        raise bad_request(f"the chat template refused the messages: {exc}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_job(req: ChatCompletionRequest, prompt_ids: list[int], limits: Limits) -> Job:
+    """The templated prompt as one job; max_tokens defaults to what fits."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         room = min(limits.max_model_len, limits.max_request_tokens) - len(prompt_ids)
@@ -93,38 +126,52 @@ def _refuse_unsupported(req: _GenerationRequest) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options needs stream set to true", "stream_options")
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise bad_request('response_format is not supported (only {"type": "text"}): the server has no '
+                          "structured output", "response_format")
+    for name in STRUCTURED_OUTPUT_FIELDS:
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name} is not supported: the server has no structured (guided) output", name)
+
+
+STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _refuse_chat_only(req: ChatCompletionRequest) -> None:
+    """Tools, functions, audio and predicted outputs: accepted only with the value that means "off"."""
+    if req.tools:
+        raise bad_request("tools are not supported: the server has no tool calling", "tools")
+    if req.tool_choice not in (None, "none", "auto"):  # "auto" without tools means plain text
+        raise bad_request(f'tool_choice must be "none" or null: the server has no tool calling, '
+                          f"got {req.tool_choice!r}", "tool_choice")
+    if req.functions:
+        raise bad_request("functions are not supported: the server has no function calling", "functions")
+    if req.function_call not in (None, "none"):
+        raise bad_request(f'function_call must be "none" or null, got {req.function_call!r}', "function_call")
+    if req.audio is not None:
+        raise bad_request("audio output is not supported", "audio")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise bad_request(f'modalities must be ["text"] or null, got {req.modalities!r}', "modalities")
+    if req.prediction is not None:
+        raise bad_request("prediction (predicted outputs) is not supported", "prediction")
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
-    """A string, a list of token ids, or a non-empty list of either."""
+    """A string, a list of token ids, or a non-empty list of either (checked by msgspec, in C)."""
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(_is_token(t) for t in prompt):
-        return [list(prompt)]
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if prompt and all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-        return [list(p) for p in prompt]
+    if prompt:
+        ids = _convert(prompt, list[int])
+        if ids is not None:
+            return [ids]
+        texts = _convert(prompt, list[str])
+        if texts is not None:
+            return list(texts)
+        batch = _convert(prompt, list[list[int]])
+        if batch is not None and all(batch):
+            return list(batch)
     raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of strings or of "
                       "token-id lists", "prompt")
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _apply_chat_template(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    if not req.messages:
-        raise bad_request("messages must not be empty", "messages")
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise bad_request("the served model's tokenizer has no chat template; use /v1/completions", "messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt)
-    except Exception as exc:  # jinja raises many types for messages a template refuses
-        raise bad_request(f"the chat template refused the messages: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _message_dict(index: int, message: Any) -> dict[str, str]:
@@ -141,3 +188,10 @@ def _message_dict(index: int, message: Any) -> dict[str, str]:
         content = "".join(part.text or "" for part in content)
     return {"role": message.role, "content": content or ""}
 
+
+def _convert(value: Any, kind: Any) -> Any:
+    """`value` as `kind` (bools are not ints), or None."""
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError:
+        return None

@@ -2,7 +2,9 @@
 
 Requests are decoded straight from the raw body with `msgspec.json.decode(body, type=...)`,
 so a wrong type or a missing field comes back as one `msgspec.ValidationError` whose path
-names the field. Unknown fields are ignored, as OpenAI clients send many optional ones.
+names the field. Unknown fields are ignored, as OpenAI clients send many optional ones;
+fields of features the server lacks (tools, structured output, audio...) are declared, typed
+`Any`, so that the schema shows them and params.py can refuse them by name.
 Most sampling fields accept `null` and mean "the default" then; the ranges are checked by
 `SamplingParams`, which names the field it refuses.
 
@@ -47,6 +49,13 @@ class _GenerationRequest(Struct, kw_only=True):
     frequency_penalty: float | None = None  # only 0 is supported
     logit_bias: dict[str, float] | None = None  # only empty is supported
     user: str | None = None
+    # Structured output (OpenAI's response_format, vLLM's extensions): refused unless unset.
+    response_format: Any = None  # only {"type": "text"}
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -74,6 +83,30 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None  # only 0 is supported
     add_generation_prompt: bool = True  # extension (vLLM)
+    # Tools, audio and predicted outputs: refused unless unset (or the value that means "off").
+    tools: Any = None  # only empty
+    tool_choice: Any = None  # only "none" (or "auto" without tools)
+    parallel_tool_calls: bool | None = None  # meaningless without tools, so accepted
+    functions: Any = None  # only empty
+    function_call: Any = None  # only "none"
+    audio: Any = None
+    modalities: Any = None  # only ["text"]
+    prediction: Any = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """/tokenize (vLLM's shape): exactly one of `prompt` or `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False  # False: count tokens as /v1/completions feeds them to the model
+    add_generation_prompt: bool = True  # messages only, as on /v1/chat/completions
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -177,13 +210,30 @@ class ModelCard(Struct, kw_only=True):
     object: str = "model"
     created: int = msgspec.field(default_factory=_now)
     owned_by: str = "specloop"
-    root: str  # the checkpoint folder
+    root: str  # the served name (never a local path)
     max_model_len: int
 
 
 class ModelList(Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class VersionInfo(Struct):
+    version: str  # specloop.__version__
+    model: str  # the served name
+    engine: dict[str, Any]  # EngineConfig.summary(), with `model` the served name
+    limits: dict[str, int]  # what start-up derived: context length, KV tokens per request, body bytes
 
 
 class ErrorInfo(Struct):

@@ -46,8 +46,16 @@ class BadRequestError(APIError):
     """400 (or 415): the request was invalid; `param` names the field."""
 
 
+class AuthenticationError(APIError):
+    """401: the server needs an API key (`AsyncClient(api_key=...)`) and got none or a wrong one."""
+
+
 class NotFoundError(APIError):
     """404: unknown model or route."""
+
+
+class RequestTooLargeError(APIError):
+    """413: the request body is larger than the server accepts (`--max-request-body-bytes`)."""
 
 
 class ServiceUnavailableError(APIError):
@@ -197,7 +205,8 @@ class AsyncClient:
             return delay
 
 
-_ERROR_TYPES = {400: BadRequestError, 415: BadRequestError, 404: NotFoundError, 503: ServiceUnavailableError}
+_ERROR_TYPES = {400: BadRequestError, 415: BadRequestError, 401: AuthenticationError, 404: NotFoundError,
+                413: RequestTooLargeError, 503: ServiceUnavailableError}
 
 
 def _http_error(response: httpx.Response) -> APIError:

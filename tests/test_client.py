@@ -157,3 +157,30 @@ async def wait_idle(server: ServerProcess) -> None:
                 return
             await asyncio.sleep(0.025)
     raise AssertionError("the server never went idle")
+
+
+async def test_api_key_and_body_limit_errors_are_typed(tiny_ckpt):
+    """401 and 413 come back as their own types, in process (no second server needed)."""
+    from server.app import create_app
+    from specloop.client import AuthenticationError, RequestTooLargeError
+    from specloop.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_options(str(tiny_ckpt), device="cpu")
+    app = create_app(engine, "tiny", api_key="k", max_body_bytes=1024)
+    try:
+        def client(key):
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+            return AsyncClient("http://test/v1", http=http, max_retries=0)
+
+        async with client(None) as anonymous:
+            with pytest.raises(AuthenticationError) as info:
+                await anonymous.models()
+            assert info.value.status == 401 and info.value.code == "invalid_api_key"
+        async with client("k") as authorised:
+            assert (await authorised.models()).data[0].id == "tiny"
+            with pytest.raises(RequestTooLargeError) as too_large:
+                await authorised.completions("x" * 2048, max_tokens=1)
+            assert too_large.value.status == 413
+    finally:
+        await engine.shutdown()
