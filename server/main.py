@@ -1,10 +1,17 @@
-"""`specloop serve`: load the engine, run the app under uvicorn on uvloop, shut down in order.
+"""`specloop serve`: bind the port, load the engine, run the app under uvicorn on uvloop, shut down in order.
+
+The listening socket is bound before the model loads, so a busy port or a bad host is one
+`error:` line (exit 2) in a second, not after a long load; uvicorn then serves on that socket.
 
 Shutdown (SIGINT or SIGTERM): the server stops admitting at once (new requests get 503,
 /health turns 503, the listening socket closes), in-flight requests get `shutdown_timeout`
 seconds to finish, then the engine aborts what is left, so every open stream ends with
 finish_reason "abort" and `data: [DONE]`. The process then exits 0. A second signal skips
 the wait.
+
+If the engine dies (a forward call raised), a watchdog lets in-flight requests send their
+error responses for `ENGINE_DEATH_GRACE_S`, then stops the server; the process exits 1, so a
+supervisor restarts it instead of leaving a server that answers every request with 503.
 """
 
 from __future__ import annotations
@@ -12,16 +19,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import socket
+import sys
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from server.app import ServerState, create_app
+from server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from specloop.engine.async_engine import AsyncEngine
+from specloop.errors import ConfigError
 
 log = logging.getLogger("specloop.serve")
 DEFAULT_MODEL_NAME = "specloop-default"  # the shipped model's name on the wire
+EXIT_ENGINE_FAILED = 1  # the process status after the engine died
+WATCH_INTERVAL_S = 0.2  # how often the watchdog looks at the engine
+ENGINE_DEATH_GRACE_S = 2.0  # after the engine died: time for in-flight error responses to go out
+ENGINE_DEATH_FORCE_S = 3.0  # then: time for connections to close before the stop is forced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,33 +46,111 @@ class ServeOptions:
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the start-up line says which)
-    served_model_name: str | None = None  # default: --model as given, or DEFAULT_MODEL_NAME
+    served_model_name: str | None = None  # default: DEFAULT_MODEL_NAME or the checkpoint folder's name
     log_level: str = "info"
     shutdown_timeout: float = 10.0  # seconds in-flight requests get before they are aborted
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed or logged
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
-def serve(opts: ServeOptions) -> None:
-    """Serve until SIGINT or SIGTERM. Raises SpecloopError for a bad model or option."""
+def serve(opts: ServeOptions) -> int:
+    """Serve until SIGINT or SIGTERM (returns 0) or the engine dies (returns 1).
+
+    Raises SpecloopError for a port it cannot listen on (before loading anything), a bad
+    model or a bad option."""
     from specloop.llm import default_model
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = opts.model or default_model()
-    name = opts.served_model_name or opts.model or DEFAULT_MODEL_NAME
-    engine = AsyncEngine.from_options(model, **opts.engine_options)
-    app = create_app(engine, name, model)
+    sock = bind_socket(opts.host, opts.port)
+    try:
+        model = opts.model or default_model()
+        name, aliases = served_names(opts.model, model, opts.served_model_name, default_model())
+        engine = AsyncEngine.from_options(model, **opts.engine_options)
+    except BaseException:
+        sock.close()
+        raise
+    app = create_app(engine, name, model, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
+                     model_aliases=aliases)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, lifespan="off",
                             timeout_graceful_shutdown=opts.shutdown_timeout + 5.0)
     server = _Server(config, app.state.server, opts.shutdown_timeout)
-    _run_loop(_serve(server, engine))
+    _run_loop(_serve(server, engine, sock))
+    return EXIT_ENGINE_FAILED if engine.error is not None else 0
 
 
-async def _serve(server: "_Server", engine: AsyncEngine) -> None:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind HOST:PORT as uvicorn would (IPv6 for a host with ':', SO_REUSEADDR on POSIX).
+
+    Binding (not listening) claims the port without accepting connections that could
+    not be served while the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        await server.serve()
+        if sys.platform != "win32":  # on Windows SO_REUSEADDR would let two servers share a port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0..65535
+        sock.close()
+        raise ConfigError(f"cannot listen on {_address(host, port)}: {_reason(exc)}") from None
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    """HOST:PORT, with an IPv6 host in brackets as in a URL."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def served_names(given: str | None, model: str, served: str | None, shipped: str) -> tuple[str, tuple[str, ...]]:
+    """(the served name, aliases that also match): --served-model-name, else DEFAULT_MODEL_NAME for
+    the shipped model, else the checkpoint folder's base name (a full local path is no API
+    name); the model as given stays an alias, so clients that send the path still match."""
+    if served:
+        name = served
+    elif given is None or os.path.realpath(model) == os.path.realpath(shipped):
+        name = DEFAULT_MODEL_NAME
+    else:
+        name = Path(os.path.abspath(given)).name or given
+    return name, ((given,) if given is not None and given != name else ())
+
+
+def _listen(sock: socket.socket, config: uvicorn.Config) -> None:
+    """Start listening once the model is loaded. Two SO_REUSEADDR sockets may both bind a port;
+    the second to listen fails here, with the same one-line error (uvloop would not say)."""
+    try:
+        sock.listen(config.backlog)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {_address(config.host, config.port)}: {_reason(exc)}") from None
+
+
+async def _serve(server: "_Server", engine: AsyncEngine, sock: socket.socket) -> None:
+    watchdog = asyncio.ensure_future(_watch_engine(server, engine))
+    try:
+        _listen(sock, server.config)
+        await server.serve(sockets=[sock])
     finally:
+        watchdog.cancel()
         server.cancel_drain()
         await engine.shutdown()
+        sock.close()
         log.info("stopped")
+
+
+async def _watch_engine(server: "_Server", engine: AsyncEngine) -> None:
+    """Stop the server once the engine died: a dead engine only answers 503."""
+    while engine.error is None:
+        await asyncio.sleep(WATCH_INTERVAL_S)
+    first_line = (str(engine.error).strip().splitlines() or [""])[0]
+    log.error("the engine failed (%s: %s); stopping the server, exit status %d",
+              type(engine.error).__name__, first_line, EXIT_ENGINE_FAILED)
+    await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+    server.should_exit = True
+    await asyncio.sleep(ENGINE_DEATH_FORCE_S)
+    server.force_exit = True
 
 
 class _Server(uvicorn.Server):
@@ -78,7 +172,7 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            print(f"specloop serve: listening on http://{host}:{port}, serving model "
+            print(f"specloop serve: listening on http://{_address(host, port)}, serving model "
                   f"{self._state.model_name!r} from {self._state.model_path}", flush=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

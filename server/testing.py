@@ -5,6 +5,9 @@
     assert srv.returncode == 0  # stopped with SIGINT
 
 The server listens on an ephemeral port (`--port 0`); the start-up line says which.
+`launcher` replaces `python -m server` (a `python -c` script that patches something and
+then calls `specloop.cli.main(["serve", *sys.argv[1:]])`, say); stdin is /dev/null unless
+`stdin` says otherwise.
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ import time
 import httpx
 
 BANNER = re.compile(r"listening on (http://[0-9.]+:\d+)")
+SERVE = [sys.executable, "-m", "server"]
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], start_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None, stdin: int = subprocess.DEVNULL) -> None:
         self.args = ["--host", "127.0.0.1", "--port", "0", *args]
         self.start_timeout = start_timeout
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.launcher = launcher or SERVE
+        self.stdin = stdin
         self.url = ""
         self.returncode: int | None = None
         self.lines: list[str] = []
@@ -38,7 +45,7 @@ class ServerProcess:
         return "".join(self.lines)
 
     def start(self) -> "ServerProcess":
-        self._proc = subprocess.Popen([sys.executable, "-m", "server", *self.args], stdout=subprocess.PIPE,
+        self._proc = subprocess.Popen([*self.launcher, *self.args], stdin=self.stdin, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, env=self.env)
         threading.Thread(target=self._read, daemon=True).start()
         if not self._found.wait(self.start_timeout) or not self.url:
@@ -56,17 +63,25 @@ class ServerProcess:
         assert self._proc is not None
         if self._proc.poll() is None:
             self._proc.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the server to exit on its own (no signal); returns the exit status."""
+        assert self._proc is not None
         try:
             self.returncode = self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+        self.kill()  # it has exited: this only closes a stdin pipe
         return self.returncode
 
     def kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+        if self._proc is not None and self._proc.stdin is not None:
+            self._proc.stdin.close()
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

@@ -1,22 +1,54 @@
 """The `specloop` console command.
 
-Every user error (bad checkpoint, bad option) is printed as one `error:` line with exit
-status 2; tracebacks are for bugs only.
+Every user error (bad checkpoint, bad option, a port it cannot listen on) is printed as one
+`error:` line with exit status 2; tracebacks are for bugs only. `serve` exits 0 after
+SIGINT/SIGTERM and 1 when the engine died. No command reads stdin (see `no_stdin`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import io
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from specloop.errors import SpecloopError
+from specloop import __version__
+from specloop.errors import ConfigError, SpecloopError
+
+API_KEY_ENV = "SPECLOOP_API_KEY"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default: appended, unless its help already says it in words.
+
+    An action may carry `default_text`, a callable run only when help is shown, for a
+    default that costs an import to read (server.app pulls in torch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        lazy = getattr(action, "default_text", None)
+        if lazy is not None:
+            return f"{text} (default: {lazy()})".replace("%", "%%")
+        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def _add_random_checkpoint(sub: argparse._SubParsersAction) -> None:
     from specloop.checkpoint.random_checkpoint import PRESETS, SHAPE_OPTIONS
 
-    p = sub.add_parser("random-checkpoint", help="write a random Ouro checkpoint in the HF layout")
+    p = sub.add_parser("random-checkpoint", help="write a random Ouro checkpoint in the HF layout",
+                       formatter_class=HelpFormatter)
     p.add_argument("out", help="output folder")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--seed", type=int, default=0)
@@ -24,7 +56,7 @@ def _add_random_checkpoint(sub: argparse._SubParsersAction) -> None:
     for name in SHAPE_OPTIONS:
         kind = float if name in ("rope_theta", "early_exit_threshold") else int
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, default=None,
-                       help=f"override the preset's {name}")
+                       help=f"override the preset's {name} (default: the preset's)")
     p.set_defaults(func=_run_random_checkpoint)
 
 
@@ -57,30 +89,95 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "max_stop_chars": (int, "characters over all of one request's stop strings"),
     "exit_threshold": (float, "Q-exit threshold (1.0: every loop)"),
     "speculation": (str, "none, block (self-speculation rounds) or pipeline (token pipelines)"),
-    "draft_loops": (int, "draft depth d for speculation (1..loops-1, default 2)"),
-    "num_speculative_tokens": (int, "candidates drafted per speculation round (default 4)"),
+    "draft_loops": (int, "draft depth d for speculation (1..loops-1)"),
+    "num_speculative_tokens": (int, "candidates drafted per speculation round"),
+}
+# What an unset option means where EngineConfig's default is None (no value to show).
+UNSET_MEANS = {
+    "num_kv_pages": "from --kv-cache-bytes, else --gpu-memory-utilization on CUDA, a fixed budget on CPU",
+    "kv_cache_bytes": "from --gpu-memory-utilization on CUDA, a fixed budget on CPU",
+    "max_model_len": "the model's max_position_embeddings",
+    "exit_threshold": "the checkpoint's early_exit_threshold",
 }
 
 
+def engine_option_help(name: str) -> str:
+    """The option's help with EngineConfig's default, read from the dataclass (never restated here)."""
+    from specloop.engine.config import EngineConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}[name]
+    shown = UNSET_MEANS.get(name, "unset") if default is None else default
+    return f"{ENGINE_OPTIONS[name][1]} (default: {shown})".replace("%", "%%")
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    """The checkpoint as an optional positional MODEL or as --model (both: they must agree)."""
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                   help="checkpoint folder (default: the shipped model)")
+    p.add_argument("--model", default=None, help="the same as MODEL (default: the shipped model)")
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """Engine options, named as vLLM names them where vLLM has the same option."""
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
-    for name, (kind, help_text) in ENGINE_OPTIONS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, default=None, help=help_text)
+    """Engine options, named as vLLM names them where vLLM has the same option.
+
+    They default to None here so an unset option takes EngineConfig's default; the help
+    shows that default."""
+    add_model_argument(p)
+    for name, (kind, _) in ENGINE_OPTIONS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, default=None,
+                       help=engine_option_help(name))
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
 
 
+def resolve_model(args: argparse.Namespace) -> None:
+    """Fold the positional MODEL into args.model; two different models are one user error."""
+    given = getattr(args, "model_arg", None)
+    if given is None:
+        return
+    if args.model is not None and os.path.abspath(args.model) != os.path.abspath(given):
+        raise ConfigError(f"two models given: {given!r} and --model {args.model!r}; give one")
+    args.model = given
+
+
+class _NoStdin(io.TextIOBase):
+    """sys.stdin while a command runs: specloop never reads standard input, so nothing it
+    calls (a library prompting "[y/N]", say) may block on it; a read raises at once."""
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> str:
+        raise SpecloopError("specloop does not read standard input (something asked for it)")
+
+    def readline(self, size: int | None = -1) -> str:
+        return self.read()
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def no_stdin() -> Iterator[None]:
+    """Replace sys.stdin with `_NoStdin` for the duration (restored for in-process callers)."""
+    saved = sys.stdin
+    sys.stdin = _NoStdin()
+    try:
+        yield
+    finally:
+        sys.stdin = saved
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream a completion to stdout")
+    p = sub.add_parser("generate", help="stream a completion to stdout", formatter_class=HelpFormatter)
     add_engine_options(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--prompt", required=True, help="the prompt text (required; no default)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (-1: off)")
     p.set_defaults(func=_run_generate)
 
 
@@ -102,27 +199,54 @@ def _run_generate(args: argparse.Namespace) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       formatter_class=HelpFormatter)
     add_engine_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
-                   help="the model's name in the API (default: --model as given)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+                   help="the model's name in the API (default: specloop-default for the shipped model, "
+                        "else the checkpoint folder's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: $" + API_KEY_ENV
+                        + ", else no key); prefer the variable, a flag shows in the process list")
+    body = p.add_argument("--max-request-body-bytes", type=positive_int, dest="max_body_bytes", default=None,
+                          help="larger request bodies get 413 before they are parsed")
+    body.default_text = _default_max_body_bytes  # type: ignore[attr-defined]
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="log level of the server and uvicorn")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.set_defaults(func=_run_serve)
 
 
-def _run_serve(args: argparse.Namespace) -> None:
+def _default_max_body_bytes() -> int:
+    from server.app import DEFAULT_MAX_BODY_BYTES
+
+    return DEFAULT_MAX_BODY_BYTES
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $SPECLOOP_API_KEY; an empty variable means no key, an empty flag is an error."""
+    if args.api_key is not None:
+        if not args.api_key:
+            raise ConfigError("--api-key is empty; give a key or leave the option out")
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def _run_serve(args: argparse.Namespace) -> int:
     from server.main import ServeOptions, serve
 
-    serve(ServeOptions(args.model, engine_options(args), args.host, args.port, args.served_model_name,
-                              args.log_level, args.shutdown_timeout))
+    max_body = args.max_body_bytes if args.max_body_bytes is not None else _default_max_body_bytes()
+    return serve(ServeOptions(args.model, engine_options(args), args.host, args.port, args.served_model_name,
+                              args.log_level, args.shutdown_timeout, api_key=_api_key(args),
+                              max_body_bytes=max_body))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specloop", description="Serving runtime for looped language models")
+    parser.add_argument("--version", action="version", version=f"specloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_random_checkpoint(sub)
     _add_generate(sub)
@@ -133,13 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        with no_stdin():
+            resolve_model(args)
+            status = args.func(args)
     except SpecloopError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

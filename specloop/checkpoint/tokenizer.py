@@ -1,7 +1,9 @@
 """Tokenizers in the Hugging Face layout: ChatML specials, chat template, stop tokens.
 
 Checkpoints carry their tokenizer (tokenizer.json + tokenizer_config.json); specloop
-loads it with `transformers.AutoTokenizer` from the folder and never from a hub.
+loads it with `transformers.AutoTokenizer` from the folder and never from a hub, always
+with `trust_remote_code=False`: a checkpoint's `auto_map` (Python code shipped beside the
+weights) is never imported, and transformers never asks on stdin whether to run it.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def save_tokenizer(tokenizer_object: Any, folder: Path, max_length: int) -> None
 
 
 def load_tokenizer(folder: str | Path) -> Any:
-    """The folder's tokenizer through AutoTokenizer, offline."""
+    """The folder's tokenizer through AutoTokenizer, offline, without the checkpoint's code.
+
+    A tokenizer that only its `auto_map` code could build fails as one CheckpointError."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
@@ -82,11 +86,31 @@ def load_tokenizer(folder: str | Path) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises many types for a broken tokenizer
-        raise CheckpointError(f"cannot load the tokenizer in {folder}: {exc}") from None
+        code = _tokenizer_code(folder)
+        if code is not None:
+            raise CheckpointError(f"the tokenizer in {folder} is built by the checkpoint's own code ({code}, "
+                                  "from auto_map), which specloop never runs; name a transformers class "
+                                  "in tokenizer_config.json's tokenizer_class") from None
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"cannot load the tokenizer in {folder}: {first_line}") from None
     finally:
         quiet.setLevel(level)
+
+
+def _tokenizer_code(folder: Path) -> str | None:
+    """The class tokenizer_config.json's auto_map names for AutoTokenizer, if any (read, never imported)."""
+    try:
+        auto_map = json.loads((folder / "tokenizer_config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    refs = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    if isinstance(refs, str):
+        return refs
+    if isinstance(refs, (list, tuple)):
+        return next((r for r in refs if isinstance(r, str)), None)
+    return None
 
 
 def stop_token_ids(cfg: ModelConfig, tokenizer: Any | None) -> tuple[int, ...]:
