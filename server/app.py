@@ -38,7 +38,7 @@ from server.frontdoor import FrontDoor, is_protected
 from server.generation import ClientGone, Generation, until_disconnect
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import RouteDoc, openapi_document, swagger_page
-from server.params import Job, Limits, chat_job, check_chat, completion_jobs, encode_chat
+from server.params import Job, Limits, chat_job, check_chat, completion_jobs, content_chars, encode_chat
 from server.protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChunk, CompletionRequest,
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionInfo,
@@ -195,6 +195,7 @@ def _add_generation_routes(routes: _Routes, state: ServerState) -> None:
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
         state.check_model(req.model)
         check_chat(req)
+        engine.core.check_prompt_chars(content_chars(req.messages), "messages")  # before seconds of templating
         prompt_ids = await state.in_tokenizer_pool(
             lambda tok: encode_chat(tok, req.messages, req.add_generation_prompt))
         job = chat_job(req, prompt_ids, state.limits)

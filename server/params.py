@@ -72,6 +72,17 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise bad_request("messages must not be empty", "messages")
 
 
+def content_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text (a lower bound on the templated prompt's)."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif isinstance(m.content, list):
+            total += sum(len(part.text or "") for part in m.content)
+    return total
+
+
 def encode_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
                 add_special_tokens: bool = False) -> list[int]:
     """The messages checked, through the chat template and encoded: up to seconds for long chats,

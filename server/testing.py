@@ -41,6 +41,11 @@ class ServerProcess:
         self._found = threading.Event()
 
     @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    @property
     def output(self) -> str:
         return "".join(self.lines)
 

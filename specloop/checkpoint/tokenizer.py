@@ -123,3 +123,17 @@ def stop_token_ids(cfg: ModelConfig, tokenizer: Any | None) -> tuple[int, ...]:
         if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
             ids.add(im_end)
     return tuple(sorted(i for i in ids if 0 <= i < cfg.vocab_size))
+
+
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """The most UTF-8 bytes any single token decodes to, or None when the text is normalized.
+
+    Without a normalizer every token covers at most this many bytes of the text it was
+    encoded from, so a text of n characters has at least n / longest tokens, which lets
+    the engine refuse a prompt that cannot fit before spending seconds tokenizing it. A
+    normalizer may delete characters, so then no such bound holds."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=None) or None

@@ -116,6 +116,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._check_alive()
         if isinstance(prompt, str):
+            self.core.check_prompt_chars(len(prompt))
             text = prompt
             prompt = await self.in_tokenizer_pool(lambda tok: tok.encode(text, add_special_tokens=False))
             if not prompt:
@@ -199,7 +200,9 @@ class AsyncEngine:
                 busy = self.core.has_unfinished()
                 self._run_commands(block=not busy)
                 if self.core.has_unfinished():
-                    self._deliver(self.core.step())
+                    outputs = self.core.step()
+                    self._stats = self.core.stats()  # a caller that saw its output sees its effect
+                    self._deliver(outputs)
                 self._stats = self.core.stats()
         except BaseException as exc:  # the engine is dead: tell every waiter
             log.exception("engine thread failed")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
+from specloop.checkpoint.tokenizer import longest_token_bytes
 from specloop.engine.attention import PagedKVStorage
 from specloop.engine.config import EngineConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
@@ -39,6 +40,7 @@ from specloop.pipeline.token_pipeline import TokenPipeline
 log = logging.getLogger(__name__)
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU (tests create many engines)
 CUDA_ACTIVATION_RESERVE = 4 << 30  # bytes of free GPU memory kept out of the KV pool
+PROMPT_CHARS_SLACK = 2  # margin on the character bound of a prompt that cannot fit (`check_prompt_chars`)
 
 
 class QueueFullError(SpecloopError):
@@ -68,6 +70,9 @@ class EngineCore:
         mcfg = self.model.config
         self.stop_ids = frozenset(stop_token_ids(mcfg, self.tokenizer))
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        longest = longest_token_bytes(self.tokenizer)
+        # Characters beyond which a prompt certainly exceeds the context (None: no such bound).
+        self.max_prompt_chars = None if longest is None else PROMPT_CHARS_SLACK * self.max_model_len * longest
         threshold = mcfg.early_exit_threshold if config.exit_threshold is None else config.exit_threshold
         page_bytes = PagedKVStorage.page_bytes(mcfg.num_hidden_layers, config.block_size,
                                                mcfg.num_key_value_heads, mcfg.head_dim, self.model.dtype)
@@ -185,8 +190,17 @@ class EngineCore:
             raise InvalidRequestError(f"stop: the stop strings may hold {cfg.max_stop_chars} characters in all, "
                                       f"got {chars}", param="stop")
 
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text too long to fit the context whatever its tokens
+        (thread-safe: reads only start-up values)."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the prompt has {num_chars} characters, which is certainly more than the context length of "
+                f"{self.max_model_len} tokens", param=param)
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.model.config.vocab_size
