@@ -25,7 +25,7 @@ import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 
 BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (gpu.md)
 MATMUL = 790e12  # bf16 FLOP/s (gpu.md)

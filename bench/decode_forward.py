@@ -16,7 +16,7 @@ import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 
 
 def main() -> None:

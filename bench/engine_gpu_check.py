@@ -19,7 +19,7 @@ import torch
 
 from specloop.checkpoint import load_model
 from specloop.checkpoint.random_checkpoint import PRESETS, write_random_checkpoint
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.llm import LLM, default_model
 from specloop.model.reference import reference_greedy
 

@@ -12,7 +12,7 @@ import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.llm import default_model
 
 dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"

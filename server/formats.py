@@ -16,8 +16,8 @@ from server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs, Usage,
 )
-from specloop.engine.request import RequestOutput
-from specloop.engine.request import Usage as EngineUsage
+from specloop.scheduling.request import RequestOutput
+from specloop.scheduling.request import Usage as EngineUsage
 
 
 @dataclasses.dataclass

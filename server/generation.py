@@ -27,7 +27,7 @@ from fastapi import Request
 from server.metrics import RequestTimer, ServerMetrics
 from server.params import Job
 from specloop.engine.async_engine import AsyncEngine, RequestStream
-from specloop.engine.request import RequestOutput, Usage
+from specloop.scheduling.request import RequestOutput, Usage
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from specloop.engine.async_engine import AsyncEngine
 from specloop.engine.core import EngineStats
-from specloop.engine.request import RequestOutput, Usage
+from specloop.scheduling.request import RequestOutput, Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

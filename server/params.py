@@ -17,7 +17,7 @@ import msgspec
 
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _GenerationRequest
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.errors import InvalidRequestError
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -1,7 +1,7 @@
 """specloop: a serving runtime for looped (recurrent-depth) language models.
 
 The public names load lazily, so importing a torch-free module such as
-`specloop.engine.kv_manager` does not import torch.
+`specloop.scheduling.kv_manager` does not import torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "AsyncEngine": "specloop.engine.async_engine",
     "EngineConfig": "specloop.engine.config",
-    "SamplingParams": "specloop.engine.sampling_params",
+    "SamplingParams": "specloop.sampling_params",
     "LLM": "specloop.llm",
 }
 

@@ -184,7 +184,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> None:
     from specloop.engine.config import EngineConfig
     from specloop.engine.core import EngineCore
-    from specloop.engine.sampling_params import SamplingParams
+    from specloop.sampling_params import SamplingParams
     from specloop.llm import default_model
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

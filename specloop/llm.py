@@ -13,8 +13,8 @@ from typing import Any
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.request import Usage
-from specloop.engine.sampling_params import SamplingParams
+from specloop.scheduling.request import Usage
+from specloop.sampling_params import SamplingParams
 from specloop.errors import RequestFailedError
 
 

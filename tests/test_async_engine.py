@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from specloop.engine.async_engine import AsyncEngine, EngineDeadError
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.errors import InvalidRequestError
 from specloop.llm import LLM
 

@@ -13,7 +13,7 @@ import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -8,7 +8,7 @@ import torch
 from specloop.checkpoint import load_model
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore, QueueFullError
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.errors import InvalidRequestError
 from specloop.model.reference import reference_greedy
 from tests.conftest import weights_of

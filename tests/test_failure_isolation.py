@@ -19,8 +19,8 @@ import torch
 from specloop.engine.async_engine import AsyncEngine
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
-from specloop.engine.scheduler import Scheduler
+from specloop.sampling_params import SamplingParams
+from specloop.scheduling.scheduler import Scheduler
 from specloop.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from specloop.llm import LLM
 

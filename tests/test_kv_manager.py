@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specloop.engine.kv_manager import KVManager, OutOfPages, PageAllocator
+from specloop.scheduling.kv_manager import KVManager, OutOfPages, PageAllocator
 from specloop.errors import SpecloopError
 
 
@@ -316,7 +316,7 @@ def test_bytes_and_usage_accounting():
 
 
 def test_bookkeeping_does_not_import_torch():
-    code = "import specloop.engine.kv_manager, sys; assert 'torch' not in sys.modules"
+    code = "import specloop.scheduling.kv_manager, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

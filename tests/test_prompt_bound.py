@@ -52,6 +52,6 @@ def test_engine_refuses_before_tokenizing(tiny_ckpt, monkeypatch):
 
 
 def engine_params():
-    from specloop.engine.sampling_params import SamplingParams
+    from specloop.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=1)

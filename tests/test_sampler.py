@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from specloop.engine.sampler import SamplingBatch, make_generator, sample
-from specloop.engine.sampling_params import SamplingParams
+from specloop.runtime.sampler import SamplingBatch, make_generator, sample
+from specloop.sampling_params import SamplingParams
 
 
 def _batch(params: list[SamplingParams], engine_seed: int = 0) -> SamplingBatch:

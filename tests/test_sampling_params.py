@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.errors import InvalidRequestError, SpecloopError
 
 
@@ -84,7 +84,7 @@ def test_top_p_that_survives_fp32_keeps_the_top_token():
     samples (keeps the most likely token) instead of dropping every token."""
     import torch
 
-    from specloop.engine.sampler import SamplingBatch, draw_generator, sample
+    from specloop.runtime.sampler import SamplingBatch, draw_generator, sample
 
     params = SamplingParams(top_p=1.5e-45, temperature=1.0, seed=3)
     logits = torch.tensor([[0.0, 2.0, 1.0]])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from server.testing import ServerProcess
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.llm import LLM
 
 MAX_MODEL_LEN = 1024

@@ -10,7 +10,7 @@ import torch
 
 from server.testing import ServerProcess
 from specloop.assets import default_model_path
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.llm import LLM
 from tests.test_server import stream_events
 

@@ -8,8 +8,8 @@ import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
-from specloop.engine.slot_storage import ReferenceShape, ReferenceState, SlotStorage
+from specloop.sampling_params import SamplingParams
+from specloop.runtime.slot_storage import ReferenceShape, ReferenceState, SlotStorage
 
 SHAPE = ReferenceShape(num_layers=3, num_heads=4, head_dim=8, budget=5)
 

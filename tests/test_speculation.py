@@ -11,7 +11,7 @@ import torch
 from specloop.assets import default_model_path
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 from specloop.errors import ConfigError
 from specloop.pipeline.acceptance import greedy_verify, speculative_sample
 

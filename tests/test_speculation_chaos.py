@@ -15,7 +15,7 @@ import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
 SPECS = ([{"speculation": "block", "num_speculative_tokens": k, "draft_loops": d} for k in (1, 3, 5) for d in (1, 2)]

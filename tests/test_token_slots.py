@@ -2,7 +2,7 @@
 
 import pytest
 
-from specloop.engine.token_slots import SlotState, TokenSlotPool
+from specloop.scheduling.token_slots import SlotState, TokenSlotPool
 
 
 def test_lifecycle_finish_and_retire():

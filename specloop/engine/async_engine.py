@@ -20,8 +20,8 @@ from typing import Any
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore, EngineStats
-from specloop.engine.request import RequestOutput
-from specloop.engine.sampling_params import SamplingParams
+from specloop.scheduling.request import RequestOutput
+from specloop.sampling_params import SamplingParams
 from specloop.engine.tokenizer_pool import TokenizerPool
 from specloop.errors import EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
 

@@ -21,16 +21,16 @@ import torch
 
 from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
 from specloop.checkpoint.tokenizer import longest_token_bytes
-from specloop.engine.attention import PagedKVStorage
+from specloop.runtime.attention import PagedKVStorage
 from specloop.engine.config import EngineConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.engine.executor import Executor, SampleResult, Ticket
-from specloop.engine.kv_manager import KVManager
-from specloop.engine.request import Request, RequestOutput, Status
-from specloop.engine.runner import Runner
-from specloop.engine.sampler import check_representable
-from specloop.engine.sampling_params import SamplingParams
-from specloop.engine.scheduler import Scheduler
+from specloop.scheduling.kv_manager import KVManager
+from specloop.scheduling.request import Request, RequestOutput, Status
+from specloop.runtime.runner import Runner
+from specloop.runtime.sampler import check_representable
+from specloop.sampling_params import SamplingParams
+from specloop.scheduling.scheduler import Scheduler
 from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.block import BlockSpeculation

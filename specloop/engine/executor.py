@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specloop.engine.plan import Plan
-from specloop.engine.runner import Runner, SampleRecord, TicketOutput
+from specloop.scheduling.plan import Plan
+from specloop.runtime.runner import Runner, SampleRecord, TicketOutput
 
 
 @dataclasses.dataclass

@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from specloop.engine.plan import RowGroup
-from specloop.engine.request import Request
+from specloop.scheduling.plan import RowGroup
+from specloop.scheduling.request import Request
 
 # (request, depth, start, end, token slots taken already, token ids known on the host) -> group
 MakeGroup = Callable[[Request, int, int, int, "list[int] | None", "list[int] | None"], RowGroup]

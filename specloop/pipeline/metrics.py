@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from specloop.engine.request import Request
+from specloop.scheduling.request import Request
 
 TRACE_ROUNDS = 100_000  # recent rounds' accepted counts kept for benchmarks (replay traces)
 

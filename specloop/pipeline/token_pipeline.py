@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specloop.engine.plan import RowGroup
-from specloop.engine.request import Request, new_incarnation
+from specloop.scheduling.plan import RowGroup
+from specloop.scheduling.request import Request, new_incarnation
 from specloop.pipeline.block import MakeGroup, TakeSlots
 
 

@@ -19,7 +19,7 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 
 NO_TOP_K = 2**31 - 1  # top_k of rows without top-k; clamped to the vocabulary size in `sample`
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

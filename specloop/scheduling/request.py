@@ -12,7 +12,7 @@ import enum
 import itertools
 from typing import Any
 
-from specloop.engine.sampling_params import SamplingParams
+from specloop.sampling_params import SamplingParams
 
 _incarnations = itertools.count(1)
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from specloop.engine.kv_manager import KVManager
-from specloop.engine.plan import Plan, RowGroup
-from specloop.engine.request import Request, Status, new_incarnation
-from specloop.engine.token_slots import TokenSlotPool
+from specloop.scheduling.kv_manager import KVManager
+from specloop.scheduling.plan import Plan, RowGroup
+from specloop.scheduling.request import Request, Status, new_incarnation
+from specloop.scheduling.token_slots import TokenSlotPool
 from specloop.pipeline.block import BlockSpeculation, unused_slots, unused_slots_of
 from specloop.pipeline.token_pipeline import TokenPipeline
 

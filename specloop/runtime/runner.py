@@ -13,10 +13,10 @@ import dataclasses
 
 import torch
 
-from specloop.engine.attention import DecodeBatch, PagedAttention, PagedKVStorage, PrefillGroup
-from specloop.engine.plan import Plan, RowGroup
-from specloop.engine.sampler import SamplingBatch, draw_generator, probabilities, sample
-from specloop.engine.slot_storage import SlotStorage
+from specloop.runtime.attention import DecodeBatch, PagedAttention, PagedKVStorage, PrefillGroup
+from specloop.scheduling.plan import Plan, RowGroup
+from specloop.runtime.sampler import SamplingBatch, draw_generator, probabilities, sample
+from specloop.runtime.slot_storage import SlotStorage
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.acceptance import greedy_verify, speculative_sample, verify_single
