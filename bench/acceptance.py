@@ -31,7 +31,7 @@ import torch
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.sampling_params import SamplingParams
-from specloop.pipeline.replay import AcceptanceReplay
+from specloop.pipeline.replay import ReplayVerifier
 
 
 def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -109,9 +109,10 @@ def main() -> None:
     plain = EngineCore(EngineConfig(model=model, device=args.device, dtype=args.dtype, max_num_seqs=4,
                                     kv_cache_bytes=args.kv_cache_bytes))
 
-    def engine(**spec) -> EngineCore:  # same weights, another speculation setting
+    def engine(verifier: ReplayVerifier | None = None, **spec) -> EngineCore:  # same weights, other speculation
         return EngineCore(EngineConfig(model=model, device=args.device, dtype=args.dtype, max_num_seqs=4,
-                                       kv_cache_bytes=args.kv_cache_bytes, **spec), plain.model, plain.tokenizer)
+                                       kv_cache_bytes=args.kv_cache_bytes, **spec), plain.model, plain.tokenizer,
+                          verifier=verifier)
 
     prompts = (random_prompts(plain.model.config.vocab_size, args.prompts, args.prompt_len) if traces_in
                else heldout_prompts(plain.tokenizer, args.prompts, args.prompt_len))
@@ -129,11 +130,12 @@ def main() -> None:
         settings += [("pipeline", d, None) for d in ds] if "pipeline" in args.modes else []
         for mode, d, k in settings:
             spec = {"num_speculative_tokens": k} if k else {}
-            eng = engine(speculation=mode, draft_loops=d, **spec)
             key = f"d{d}_k{k}_t{temp}" if mode == "block" else f"pipeline_d{d}_t{temp}"
+            replay = ReplayVerifier(traces_in[key]) if traces_in is not None else None
+            eng = engine(replay, speculation=mode, draft_loops=d, **spec)
             run_case(eng, prompts[:1], warm, sync)
-            if traces_in is not None:
-                eng.executor.runner.replay = AcceptanceReplay(traces_in[key])
+            if replay is not None:
+                replay.rewind()  # the measured run replays the trace from its start
             eng.metrics = type(eng.metrics)(len(eng.metrics.accepted_per_position))  # measured run only
             # Paired baseline: the plain engine runs right before each case, so drifts in
             # host speed (this workload is launch-bound) hit both sides of the ratio alike.

@@ -2,6 +2,6 @@
 
 import sys
 
-from specloop.cli import main
+from server.cli import main
 
 sys.exit(main(["serve", *sys.argv[1:]]))

@@ -39,12 +39,12 @@ from server.generation import ClientGone, Generation, until_disconnect
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import RouteDoc, openapi_document, swagger_page
 from server.params import Job, Limits, chat_job, check_chat, completion_jobs, content_chars, encode_chat
-from server.protocol import (
+from specloop.engine.async_engine import AsyncEngine
+from specloop.errors import SpecloopError
+from specloop.protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChunk, CompletionRequest,
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionInfo,
 )
-from specloop.engine.async_engine import AsyncEngine
-from specloop.errors import SpecloopError
 
 log = logging.getLogger(__name__)
 S = TypeVar("S")

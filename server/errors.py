@@ -14,10 +14,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from server.protocol import ErrorInfo, ErrorResponse
 from specloop.engine.async_engine import EngineDeadError
 from specloop.engine.core import QueueFullError
 from specloop.errors import InvalidRequestError, RequestFailedError
+from specloop.protocol import ErrorInfo, ErrorResponse
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from msgspec import UNSET, Struct
 
-from server.protocol import (
+from specloop.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs, Usage,
 )

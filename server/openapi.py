@@ -17,7 +17,7 @@ import msgspec
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 
-from server.protocol import ErrorResponse
+from specloop.protocol import ErrorResponse
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 SECURITY_SCHEME = "bearer"

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _GenerationRequest
-from specloop.sampling_params import SamplingParams
 from specloop.errors import InvalidRequestError
+from specloop.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
+from specloop.sampling_params import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -118,7 +118,7 @@ def chat_job(req: ChatCompletionRequest, prompt_ids: list[int], limits: Limits) 
     return Job(0, prompt_ids, params)
 
 
-def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
+def sampling_params(req: GenerationRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
     """Null means "the default"; SamplingParams checks ranges and names the field it refuses."""
     given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p}
     return SamplingParams(
@@ -127,7 +127,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: bool) ->
         **{k: v for k, v in given.items() if v is not None})
 
 
-def _refuse_unsupported(req: _GenerationRequest) -> None:
+def _refuse_unsupported(req: GenerationRequest) -> None:
     if req.n not in (None, 1):
         raise bad_request(f"n must be 1, got {req.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):

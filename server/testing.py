@@ -6,7 +6,7 @@
 
 The server listens on an ephemeral port (`--port 0`); the start-up line says which.
 `launcher` replaces `python -m server` (a `python -c` script that patches something and
-then calls `specloop.cli.main(["serve", *sys.argv[1:]])`, say); stdin is /dev/null unless
+then calls `server.cli.main(["serve", *sys.argv[1:]])`, say); stdin is /dev/null unless
 `stdin` says otherwise.
 """
 

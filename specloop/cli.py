@@ -1,8 +1,12 @@
-"""The `specloop` console command.
+"""The library's commands of `specloop`: `generate` and `random-checkpoint`.
 
-Every user error (bad checkpoint, bad option, a port it cannot listen on) is printed as one
-`error:` line with exit status 2; tracebacks are for bugs only. `serve` exits 0 after
-SIGINT/SIGTERM and 1 when the engine died. No command reads stdin (see `no_stdin`).
+The console script (`specloop`, pyproject) is `server.cli:main`, which adds `serve` to the
+parser built here: the library sits below the HTTP server and never imports it, so the
+server plugs its command in through `build_parser(*subcommands)` / `main(argv, subcommands)`.
+`python -m specloop.cli` runs the library's commands alone.
+
+Every user error (bad checkpoint, bad option) is printed as one `error:` line with exit
+status 2; tracebacks are for bugs only. No command reads stdin (see `no_stdin`).
 """
 
 from __future__ import annotations
@@ -13,19 +17,20 @@ import dataclasses
 import io
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from specloop import __version__
 from specloop.errors import ConfigError, SpecloopError
 
-API_KEY_ENV = "SPECLOOP_API_KEY"
+# Adds one subcommand (parser, options, `func` default) to the `specloop` parser.
+AddSubcommand = Callable[[argparse._SubParsersAction], None]
 
 
 class HelpFormatter(argparse.HelpFormatter):
     """Shows every option's default: appended, unless its help already says it in words.
 
     An action may carry `default_text`, a callable run only when help is shown, for a
-    default that costs an import to read (server.app pulls in torch)."""
+    default that costs an import to read (one that pulls in torch, say)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -38,6 +43,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def positive_int(text: str) -> int:
+    """An argparse type: a bad value is argparse's one usage error, not a traceback."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
@@ -198,64 +204,22 @@ def _run_generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                       formatter_class=HelpFormatter)
-    add_engine_options(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
-                   help="the model's name in the API (default: specloop-default for the shipped model, "
-                        "else the checkpoint folder's name)")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: $" + API_KEY_ENV
-                        + ", else no key); prefer the variable, a flag shows in the process list")
-    body = p.add_argument("--max-request-body-bytes", type=positive_int, dest="max_body_bytes", default=None,
-                          help="larger request bodies get 413 before they are parsed")
-    body.default_text = _default_max_body_bytes  # type: ignore[attr-defined]
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
-                   help="log level of the server and uvicorn")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
-    p.set_defaults(func=_run_serve)
-
-
-def _default_max_body_bytes() -> int:
-    from server.app import DEFAULT_MAX_BODY_BYTES
-
-    return DEFAULT_MAX_BODY_BYTES
-
-
-def _api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else $SPECLOOP_API_KEY; an empty variable means no key, an empty flag is an error."""
-    if args.api_key is not None:
-        if not args.api_key:
-            raise ConfigError("--api-key is empty; give a key or leave the option out")
-        return args.api_key
-    return os.environ.get(API_KEY_ENV) or None
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from server.main import ServeOptions, serve
-
-    max_body = args.max_body_bytes if args.max_body_bytes is not None else _default_max_body_bytes()
-    return serve(ServeOptions(args.model, engine_options(args), args.host, args.port, args.served_model_name,
-                              args.log_level, args.shutdown_timeout, api_key=_api_key(args),
-                              max_body_bytes=max_body))
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*subcommands: AddSubcommand) -> argparse.ArgumentParser:
+    """The `specloop` parser: the library's commands, then each of `subcommands` (the server's
+    `serve`), so a layer above adds commands without the library importing it."""
     parser = argparse.ArgumentParser(prog="specloop", description="Serving runtime for looped language models")
     parser.add_argument("--version", action="version", version=f"specloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_random_checkpoint(sub)
     _add_generate(sub)
-    _add_serve(sub)
+    for add in subcommands:
+        add(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, subcommands: Sequence[AddSubcommand] = ()) -> int:
+    """Parse and run one command; a SpecloopError from any command is one `error:` line, exit 2."""
+    args = build_parser(*subcommands).parse_args(argv)
     try:
         with no_stdin():
             resolve_model(args)

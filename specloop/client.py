@@ -7,7 +7,7 @@
         async for chunk in stream:
             print(chunk.choices[0].delta.content or "", end="")
 
-Calls return typed msgspec Structs (`server.protocol`). With `stream=True` the await sends
+Calls return typed msgspec Structs (`specloop.protocol`). With `stream=True` the await sends
 the request and checks its status (so a refusal raises there), then returns a `ChunkStream`
 to iterate. A 503 (full queue, engine restarting) and a refused connection are retried with
 exponential backoff, honouring `Retry-After`; other errors raise an `APIError` subclass that
@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 import msgspec
 
-from server.protocol import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, ModelList
+from specloop.protocol import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, ModelList
 
 C = TypeVar("C")
 T = TypeVar("T")

@@ -1,21 +1,28 @@
 """The `specloop` command's front door: MODEL as a positional, --version, defaults in --help,
-the port checked before the model loads, API keys, and exit 1 when the engine dies."""
+the port checked before the model loads, API keys, and exit 1 when the engine dies.
+
+`main` is the console script (`server.cli.main`: the library's commands plus `serve`);
+`specloop.cli` alone has no `serve` and never imports the server."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
 
+import specloop.cli
+from server.cli import API_KEY_ENV, build_parser, main
 from server.testing import ServerProcess
 from specloop import __version__
-from specloop.cli import API_KEY_ENV, ENGINE_OPTIONS, HelpFormatter, build_parser, main
+from specloop.cli import ENGINE_OPTIONS, HelpFormatter
 from specloop.engine.config import EngineConfig
 
 THREADS_1 = {"OMP_NUM_THREADS": "1"}
@@ -24,7 +31,7 @@ KEY = "sk-test-0123456789"
 # Runs `specloop serve` with every forward call failing: the engine dies on the first request.
 FAILING_SERVE = textwrap.dedent("""
     import sys
-    from specloop.cli import main
+    from server.cli import main
     from specloop.engine.executor import Executor
 
     def submit(self, plan):
@@ -39,10 +46,26 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def subparsers() -> dict[str, object]:
-    parser = build_parser()
+def subparsers(parser: argparse.ArgumentParser | None = None) -> dict[str, object]:
+    parser = parser or build_parser()
     (action,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
     return dict(action.choices)
+
+
+def test_console_script_is_the_server_cli():
+    """pyproject's `specloop` script must be the entry point that has `serve` (the library's has not)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    module, _, function = pyproject["project"]["scripts"]["specloop"].partition(":")
+    assert (module, function) == ("server.cli", "main")
+    assert list(subparsers()) == ["random-checkpoint", "generate", "serve"]
+    assert list(subparsers(specloop.cli.build_parser())) == ["random-checkpoint", "generate"]
+
+
+def test_library_cli_has_no_serve(capsys):
+    with pytest.raises(SystemExit) as done:
+        specloop.cli.main(["serve"])
+    assert done.value.code == 2 and "invalid choice: 'serve'" in capsys.readouterr().err
 
 
 def test_version(capsys):
@@ -99,7 +122,7 @@ def test_busy_port_is_refused_before_the_model_loads(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "specloop.cli", "serve", str(tmp_path / "nothing"),
+        done = subprocess.run([sys.executable, "-m", "server", str(tmp_path / "nothing"),
                                "--port", str(port)], capture_output=True, text=True, timeout=60,
                               stdin=subprocess.DEVNULL)
     assert done.returncode == 2, done.stderr

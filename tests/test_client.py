@@ -10,12 +10,12 @@ from contextlib import AsyncExitStack
 import httpx
 import pytest
 
-from server.protocol import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 from server.testing import ServerProcess
 from specloop.client import (
     APIConnectionError, APITimeoutError, AsyncClient, BadRequestError, NotFoundError, ServiceUnavailableError,
     StreamError,
 )
+from specloop.protocol import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 LONG = {"prompt": list(range(10, 20)), "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}

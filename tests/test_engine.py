@@ -113,7 +113,7 @@ def test_abort_mid_generation_frees_every_page(tiny_ckpt):
     assert engine.abort("a") is None  # after finish: nothing to do
     assert engine.kv.num_free_pages == engine.kv.num_pages
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
-    assert engine.scheduler.req_slots.num_free == engine.scheduler.req_slots.size
+    assert engine.scheduler.cells.num_free == engine.scheduler.cells.size
 
 
 def test_reused_request_id_never_receives_old_tokens(tiny_ckpt, reference):

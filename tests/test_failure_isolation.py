@@ -42,7 +42,7 @@ def _assert_all_returned(engine: EngineCore) -> None:
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.kv.num_free_pages == engine.kv.num_pages
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
-    assert engine.scheduler.req_slots.num_free == engine.scheduler.req_slots.size
+    assert engine.scheduler.cells.num_free == engine.scheduler.cells.size
 
 
 def _solo(ckpt, **mode) -> dict[str, list[int]]:
@@ -78,7 +78,7 @@ def test_failed_request_ends_alone(tiny_ckpt, monkeypatch, mode, stage):
     solo = _solo(tiny_ckpt, **mode)
     engine = _engine(tiny_ckpt, **mode)
     if stage == "planned":
-        _fail_for_bad(monkeypatch, Scheduler, "_make_group")
+        _fail_for_bad(monkeypatch, Scheduler, "build_group")
     else:
         _fail_for_bad(monkeypatch, EngineCore, "_accept")
     for rid, prompt in PROMPTS.items():
@@ -181,7 +181,7 @@ def test_failed_forward_call_ends_the_engine(tiny_ckpt, monkeypatch):
 
 
 async def test_async_engine_fails_one_stream_and_serves_on(tiny_ckpt, solo, monkeypatch):
-    _fail_for_bad(monkeypatch, Scheduler, "_make_group")
+    _fail_for_bad(monkeypatch, Scheduler, "build_group")
     engine = AsyncEngine(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float64", block_size=4))
     try:
         async def run(rid):

@@ -93,19 +93,14 @@ def test_slot_arithmetic_across_page_boundaries(block_size):
     kv.add_request("r", n)
     kv.ensure("r", n)
     for plane in range(2):
-        table = kv.block_table("r", plane)
+        table = kv.page_table("r", plane)
         assert len(table) == 4
         expected = [table[p // block_size] * block_size + p % block_size for p in range(kv.coverage("r"))]
         assert [kv.slot("r", plane, p) for p in range(kv.coverage("r"))] == expected
-        assert kv.slots("r", plane, 0, kv.coverage("r")) == expected
-        assert kv.slots("r", plane, block_size - 1, block_size + 1) == expected[block_size - 1:block_size + 1]
-        assert kv.slots("r", plane, 2, 2) == []
         with pytest.raises(IndexError):
             kv.slot("r", plane, kv.coverage("r"))
         with pytest.raises(IndexError):
             kv.slot("r", plane, -1)
-        with pytest.raises(IndexError):
-            kv.slots("r", plane, 0, kv.coverage("r") + 1)
     all_slots = [kv.slot(rid, pl, p) for rid in ("r", "other") for pl in range(2) for p in range(kv.coverage(rid))]
     assert len(set(all_slots)) == len(all_slots)
 
@@ -114,24 +109,24 @@ def test_ensure_grows_all_planes_equally_and_never_shrinks():
     kv = KVManager(num_planes=4, block_size=4, num_pages=32, page_bytes=1)
     kv.add_request("r", 16)
     kv.ensure("r", 5)
-    assert [kv.block_table("r", p) for p in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [kv.page_table("r", p) for p in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert kv.coverage("r") == 8
     kv.ensure("r", 8)  # already covered: no allocation
     kv.ensure("r", 2)
     assert kv.num_free_pages == 24
     kv.ensure("r", 9)
-    assert [kv.block_table("r", p) for p in range(4)] == [[0, 1, 8], [2, 3, 9], [4, 5, 10], [6, 7, 11]]
+    assert [kv.page_table("r", p) for p in range(4)] == [[0, 1, 8], [2, 3, 9], [4, 5, 10], [6, 7, 11]]
     with pytest.raises(ValueError):
         kv.ensure("r", 17)  # beyond the reservation of 16 positions
     assert kv.coverage("r") == 12
 
 
-def test_block_table_is_a_copy():
+def test_page_table_is_a_copy():
     kv = KVManager(num_planes=1, block_size=2, num_pages=4, page_bytes=1)
     kv.add_request("r", 4)
     kv.ensure("r", 4)
-    kv.block_table("r", 0).append(99)
-    assert kv.block_table("r", 0) == [0, 1]
+    kv.page_table("r", 0).append(99)
+    assert kv.page_table("r", 0) == [0, 1]
 
 
 def test_unknown_request_and_plane_are_errors():
@@ -144,7 +139,7 @@ def test_unknown_request_and_plane_are_errors():
     with pytest.raises(ValueError):
         kv.add_request("r", 2)
     with pytest.raises(IndexError):
-        kv.block_table("r", 2)
+        kv.page_table("r", 2)
     with pytest.raises(IndexError):
         kv.frontier("r", -1)
 
@@ -203,7 +198,7 @@ def test_truncate_inside_a_page_keeps_the_page():
     _written(kv, "r", 10)  # plane 0: [0, 1, 2], plane 1: [3, 4, 5]
     assert kv.truncate("r", 9) == []
     assert [kv.frontier("r", p) for p in range(2)] == [9, 9]
-    assert kv.block_table("r", 0) == [0, 1, 2]
+    assert kv.page_table("r", 0) == [0, 1, 2]
 
 
 def test_truncate_at_a_page_boundary_frees_exactly_the_pages_past_it():
@@ -211,7 +206,7 @@ def test_truncate_at_a_page_boundary_frees_exactly_the_pages_past_it():
     kv.add_request("r", 12)
     _written(kv, "r", 10)
     assert kv.truncate("r", 8) == [2, 5]
-    assert kv.block_table("r", 0) == [0, 1] and kv.block_table("r", 1) == [3, 4]
+    assert kv.page_table("r", 0) == [0, 1] and kv.page_table("r", 1) == [3, 4]
     assert [kv.frontier("r", p) for p in range(2)] == [8, 8]
     assert kv.allocator.refcount(2) == 0 and kv.allocator.refcount(5) == 0
     with pytest.raises(IndexError):
@@ -223,10 +218,10 @@ def test_truncate_across_page_boundaries_then_ensure_regrows():
     kv.add_request("r", 12)
     _written(kv, "r", 12)  # plane 0: [0, 1, 2], plane 1: [3, 4, 5]
     assert kv.truncate("r", 3) == [1, 2, 4, 5]
-    assert kv.block_table("r", 0) == [0] and kv.block_table("r", 1) == [3]
+    assert kv.page_table("r", 0) == [0] and kv.page_table("r", 1) == [3]
     assert [kv.frontier("r", p) for p in range(2)] == [3, 3]
     kv.ensure("r", 12)  # fresh pages from the front of the free list
-    assert kv.block_table("r", 0) == [0, 6, 7] and kv.block_table("r", 1) == [3, 8, 9]
+    assert kv.page_table("r", 0) == [0, 6, 7] and kv.page_table("r", 1) == [3, 8, 9]
     kv.advance("r", 0, 12)
     assert kv.frontier("r", 0) == 12 and kv.frontier("r", 1) == 3
 
@@ -263,9 +258,9 @@ def test_free_returns_every_page_and_leaves_other_requests_alone():
     kv.ensure("a", 3)  # a: [0, 1], [2, 3]
     kv.ensure("b", 4)  # b: [4, 5], [6, 7]
     kv.ensure("a", 5)  # a: [0, 1, 8], [2, 3, 9]
-    b_tables = [kv.block_table("b", p) for p in range(2)]
+    b_tables = [kv.page_table("b", p) for p in range(2)]
     assert sorted(kv.free("a")) == [0, 1, 2, 3, 8, 9]
-    assert [kv.block_table("b", p) for p in range(2)] == b_tables
+    assert [kv.page_table("b", p) for p in range(2)] == b_tables
     assert all(kv.allocator.refcount(p) == 1 for t in b_tables for p in t)
     assert kv.requests() == ["b"] and kv.num_reserved_pages == 0
     with pytest.raises(KeyError):
@@ -280,21 +275,6 @@ def test_free_of_an_unallocated_reservation_releases_it():
     assert not kv.can_admit(1)
     assert kv.free("a") == []
     assert kv.can_admit(4)
-
-
-def test_exit_depths_are_recorded_and_rolled_back():
-    kv = KVManager(num_planes=4, block_size=4, num_pages=32, page_bytes=1)
-    kv.add_request("r", 8)
-    kv.ensure("r", 8)
-    kv.set_exit_depth("r", 1, 2)
-    kv.set_exit_depth("r", 6, 1)
-    assert kv.exit_depths("r") == {1: 2, 6: 1}
-    with pytest.raises(ValueError):
-        kv.set_exit_depth("r", 2, 4)
-    with pytest.raises(IndexError):
-        kv.set_exit_depth("r", 8, 0)
-    kv.truncate("r", 6)
-    assert kv.exit_depths("r") == {1: 2}
 
 
 # ----- KVManager: accounting -----
@@ -368,7 +348,7 @@ def _check_invariants(kv: KVManager, model: _Model) -> None:
     free = alloc.free_list()
     assert free == list(model.free)
     assert len(set(free)) == len(free)
-    held = [p for rid in kv.requests() for plane in range(kv.num_planes) for p in kv.block_table(rid, plane)]
+    held = [p for rid in kv.requests() for plane in range(kv.num_planes) for p in kv.page_table(rid, plane)]
     assert len(set(held)) == len(held), "a page is held twice"
     assert sorted(held + free) == list(range(kv.num_pages))
     assert all(alloc.refcount(p) == 1 for p in held) and all(alloc.refcount(p) == 0 for p in free)
@@ -379,7 +359,7 @@ def _check_invariants(kv: KVManager, model: _Model) -> None:
     assert kv.total_bytes_used == len(held) * kv.page_bytes
     assert sorted(kv.requests()) == sorted(model.tables)
     for rid, tables in model.tables.items():
-        assert [kv.block_table(rid, p) for p in range(kv.num_planes)] == tables
+        assert [kv.page_table(rid, p) for p in range(kv.num_planes)] == tables
         assert [kv.frontier(rid, p) for p in range(kv.num_planes)] == model.frontiers[rid]
         assert kv.bytes_used(rid) == sum(map(len, tables)) * kv.page_bytes
         assert len(tables[0]) * kv.num_planes <= model.reserved[rid]
@@ -444,9 +424,9 @@ def test_random_operations_keep_the_invariants(planes, block_size, seed):
     model = _Model(planes, block_size, num_pages)
     reserve: dict[str, int] = {}
     for _ in range(400):
-        others = {r: [kv.block_table(r, p) for p in range(planes)] for r in kv.requests()}
+        others = {r: [kv.page_table(r, p) for p in range(planes)] for r in kv.requests()}
         target = _random_step(kv, model, rng, reserve)
         _check_invariants(kv, model)
         for rid, tables in others.items():
             if rid != target:
-                assert [kv.block_table(rid, p) for p in range(planes)] == tables
+                assert [kv.page_table(rid, p) for p in range(planes)] == tables

@@ -12,8 +12,8 @@ import pytest
 
 from server.app import create_app
 from server.errors import from_decode
-from server.protocol import ChatCompletionRequest, CompletionRequest
 from specloop.engine.async_engine import AsyncEngine, EngineDeadError
+from specloop.protocol import ChatCompletionRequest, CompletionRequest
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 

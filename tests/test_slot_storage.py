@@ -98,11 +98,11 @@ def test_slot_state_follows_every_plan(tiny_ckpt, spec):
         out = execute(plan)
         store = runner.slots
         for g in plan.groups:
-            for pos, slot in zip(range(g.start, g.end), g.hidden_slots):
+            for pos, slot in zip(range(g.start, g.end), g.token_slots):
                 key = (g.request_id, g.incarnation, pos)
                 if g.depth == 0:
                     owner[key] = slot
-                    want = g.token_ids[pos - g.start] if g.token_ids is not None else next_before[g.req_slot].item()
+                    want = g.token_ids[pos - g.start] if g.token_ids is not None else next_before[g.cell].item()
                     checked["entered_from_device"] += g.token_ids is None
                     assert store.candidate[slot].item() == want
                 assert owner[key] == slot, f"{key} moved from slot {owner[key]} to {slot}"

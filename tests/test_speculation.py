@@ -86,7 +86,7 @@ def test_rollback_frees_exactly_the_rejected_pages(tiny_ckpt):
             key = req.kv_key
             for plane in range(4):
                 assert engine.kv.frontier(key, plane) == rnd.base
-                assert len(engine.kv.block_table(key, plane)) == math.ceil(rnd.base / 2)
+                assert len(engine.kv.page_table(key, plane)) == math.ceil(rnd.base / 2)
             checked += 1
     assert checked >= 2
     assert engine.kv.num_free_pages == engine.kv.num_pages

@@ -62,4 +62,4 @@ def test_random_stops_aborts_and_id_reuse(tiny_ckpt, prompts_and_plain, seed):
     assert _tokens(after, "x") == plain[y]  # nothing of the aborted request leaks into the new one
     assert engine.kv.num_free_pages == engine.kv.num_pages
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
-    assert engine.scheduler.req_slots.num_free == engine.scheduler.req_slots.size
+    assert engine.scheduler.cells.num_free == engine.scheduler.cells.size

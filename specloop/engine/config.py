@@ -13,6 +13,7 @@ from typing import Any
 from specloop.errors import ConfigError
 
 SPECULATION_MODES = ("none", "block", "pipeline")
+ATTENTION_BACKENDS = ("auto", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,8 @@ class EngineConfig:
     max_inflight_tickets: int = 2  # tickets submitted before the oldest is committed
     speculation: str = "none"  # none | block (self-speculation rounds) | pipeline (token pipelines)
     draft_loops: int = 2  # draft depth d: loops 1..d draft, d+1..R verify
-    num_speculative_tokens: int = 4  # block size k: drafts per round
+    num_speculative_tokens: int = 4  # k: candidates drafted per round
+    attention_backend: str = "auto"  # auto | torch (the readable reference)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -48,6 +50,9 @@ class EngineConfig:
                      "max_stop_strings", "max_stop_chars",
                      "max_inflight_tickets", "draft_loops", "num_speculative_tokens"):
             positive(name)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ConfigError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -21,21 +21,26 @@ import torch
 
 from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
 from specloop.checkpoint.tokenizer import longest_token_bytes
-from specloop.runtime.attention import PagedKVStorage
 from specloop.engine.config import EngineConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.engine.executor import Executor, SampleResult, Ticket
-from specloop.scheduling.kv_manager import KVManager
-from specloop.scheduling.request import Request, RequestOutput, Status
+from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
+from specloop.model.ouro import OuroModel
+from specloop.pipeline.heads import SpeculationHeads, Verifier
+from specloop.pipeline.metrics import SpeculationMetrics
+from specloop.pipeline.rounds import RoundController
+from specloop.pipeline.token_pipeline import TokenPipeline
+from specloop.runtime.attention import make_backend
+from specloop.runtime.forward_batch import ForwardBatchBuilder
+from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.runner import Runner
 from specloop.runtime.sampler import check_representable
 from specloop.sampling_params import SamplingParams
+from specloop.scheduling.controller import Commit
+from specloop.scheduling.kv_manager import KVManager
+from specloop.plan import Sample, Verify, VerifyCandidate
+from specloop.scheduling.request import Request, RequestOutput, Status
 from specloop.scheduling.scheduler import Scheduler
-from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
-from specloop.model.ouro import OuroModel
-from specloop.pipeline.block import BlockSpeculation
-from specloop.pipeline.metrics import SpeculationMetrics
-from specloop.pipeline.token_pipeline import TokenPipeline
 
 log = logging.getLogger(__name__)
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU (tests create many engines)
@@ -61,8 +66,10 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: OuroModel | None = None, tokenizer: Any = None) -> None:
-        """`model` / `tokenizer`: already loaded from `config.model` (benchmarks reuse them)."""
+    def __init__(self, config: EngineConfig, model: OuroModel | None = None, tokenizer: Any = None,
+                 verifier: Verifier | None = None) -> None:
+        """`model` / `tokenizer`: already loaded from `config.model` (benchmarks reuse them);
+        `verifier`: decides speculation's verifications (benchmarks inject a replay)."""
         self.config = config
         device = torch.device(_resolve_device(config.device))
         self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=device)[0]
@@ -74,45 +81,42 @@ class EngineCore:
         # Characters beyond which a prompt certainly exceeds the context (None: no such bound).
         self.max_prompt_chars = None if longest is None else PROMPT_CHARS_SLACK * self.max_model_len * longest
         threshold = mcfg.early_exit_threshold if config.exit_threshold is None else config.exit_threshold
-        page_bytes = PagedKVStorage.page_bytes(mcfg.num_hidden_layers, config.block_size,
-                                               mcfg.num_key_value_heads, mcfg.head_dim, self.model.dtype)
+        page_bytes = PagedKV.page_bytes(mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads,
+                                        mcfg.head_dim, self.model.dtype)
         num_pages = self._num_pages(page_bytes, device)
         rows = config.max_num_batched_tokens
         num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
-        speculation = None
-        if config.speculation != "none" and not 1 <= config.draft_loops < mcfg.num_loops:
-            raise ConfigError(f"draft_loops must lie in 1..{mcfg.num_loops - 1} for a {mcfg.num_loops}-loop "
-                              f"model, got {config.draft_loops}")
-        draft_width = 0
-        if config.speculation == "block":
-            speculation = BlockSpeculation(mcfg.num_loops, config.draft_loops, config.num_speculative_tokens)
-            draft_width = config.num_speculative_tokens
-        elif config.speculation == "pipeline":
-            speculation = TokenPipeline(mcfg.num_loops, config.draft_loops)
-            draft_width = speculation.width
+        speculation = _speculation(config, mcfg.num_loops)
+        heads: dict[type, Any] = {}
         if speculation is not None:
             # A round verifies k+1 rows in one call and a pipeline advances up to R live
             # tokens together; each request may hold that many slots twice (a guessed round).
-            per_request = max(config.num_speculative_tokens + 1, mcfg.num_loops) if config.speculation == "block" \
-                else mcfg.num_loops
+            per_request = speculation.rows_per_request
             if rows < per_request:
                 raise ConfigError(f"max_num_batched_tokens ({rows}) must be at least {per_request} for "
                                   f"{config.speculation} speculation with these settings")
             num_token_slots += 2 * per_request * config.max_num_seqs
+            heads = SpeculationHeads(config.max_num_seqs, speculation.draft_width, mcfg.vocab_size,
+                                     self.model.dtype, device, verifier).registry()
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation)
-        self.executor = Executor(Runner(self.model, num_pages, config.block_size, num_token_slots,
-                                        config.max_num_seqs, threshold, config.seed,
-                                        draft_width))
-        self.metrics = SpeculationMetrics(max(draft_width, 1))
+        kv = PagedKV(mcfg.num_hidden_layers, num_pages, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim,
+                     self.model.dtype, device)
+        self.backend = make_backend(config.attention_backend, kv, device)
+        batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
+                                      -(-self.max_model_len // config.block_size), config.block_size, device)
+        self.executor = Executor(Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs,
+                                        threshold, config.seed, heads))
+        self.metrics = SpeculationMetrics(max(speculation.draft_width if speculation else 0, 1))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inflight: collections.deque[Ticket] = collections.deque()
         self._arrivals = itertools.count()
         self.failure: BaseException | None = None  # set when a step failed outside one request
-        log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB)", config.model, device,
-                 num_pages, config.block_size, num_pages * page_bytes / 2**20)
+        log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s",
+                 config.model, device, num_pages, config.block_size, num_pages * page_bytes / 2**20,
+                 self.backend.name)
 
     def _num_pages(self, page_bytes: int, device: torch.device) -> int:
         cfg = self.config
@@ -266,8 +270,8 @@ class EngineCore:
     def _commit(self, results: list[SampleResult]) -> list[RequestOutput]:
         outputs = []
         for res in results:
-            req = self.requests.get(res.record.request_id)
-            if req is None or req.incarnation != res.record.incarnation:
+            req = self.requests.get(res.group.request_id)
+            if req is None or req.incarnation != res.group.incarnation:
                 continue  # stale: the request ended or its ID was reused
             try:
                 outputs.append(self._commit_one(req, res))
@@ -276,12 +280,13 @@ class EngineCore:
         return outputs
 
     def _commit_one(self, req: Request, res: SampleResult) -> RequestOutput:
-        assert res.record.sample_index == len(req.output_ids), "samples commit in order"
-        if res.record.num_drafts >= 0:
-            self.metrics.record_round(req, res.record.num_drafts, res.accepted)
+        head = res.group.head
+        assert head.index == len(req.output_ids), "samples commit in order"
+        if isinstance(head, (Verify, VerifyCandidate)):
+            self.metrics.record_round(req, head.num_candidates, res.accepted)
         out = self._accept(req, res.tokens, res.logprobs)
-        if not out.finished and res.record.controlled:
-            self.scheduler.committed(req, res.accepted, res.record.sample_index, res.tokens[-1])
+        if not out.finished and (not isinstance(head, Sample) or head.controlled):
+            self.scheduler.committed(req, Commit(res.accepted, head.index, res.tokens[-1]))
         return out
 
     def _fail(self, req: Request, exc: Exception, stage: str) -> RequestOutput:
@@ -330,6 +335,18 @@ class EngineCore:
             outputs.extend(self.step())
         return outputs
 
+
+
+def _speculation(config: EngineConfig, num_loops: int) -> RoundController | TokenPipeline | None:
+    """The speculation controller the configuration asks for."""
+    if config.speculation == "none":
+        return None
+    if not 1 <= config.draft_loops < num_loops:
+        raise ConfigError(f"draft_loops must lie in 1..{num_loops - 1} for a {num_loops}-loop "
+                          f"model, got {config.draft_loops}")
+    if config.speculation == "block":
+        return RoundController(num_loops, config.draft_loops, config.num_speculative_tokens)
+    return TokenPipeline(num_loops, config.draft_loops)
 
 
 def _resolve_device(device: str) -> str:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from specloop.scheduling.plan import Plan
-from specloop.runtime.runner import Runner, SampleRecord, TicketOutput
+from specloop.runtime.runner import Runner, TicketOutput
+from specloop.plan import Plan, RowGroup
 
 
 @dataclasses.dataclass
 class SampleResult:
-    record: SampleRecord
-    tokens: list[int]  # emitted in order: one for a plain sample, accepted + 1 for a verification
+    group: RowGroup  # the group whose head produced it (its head says what kind of result)
+    tokens: list[int]  # emitted in order: one for a plain sample, accepted + 1 for a round's verification
     accepted: int  # candidates accepted
     logprobs: list[float] | None
 
@@ -34,11 +34,8 @@ class Ticket:
     def plan(self) -> Plan:
         return self._output.plan
 
-    def done(self) -> bool:
-        return self._output.event is None or self._output.event.query()
-
     def result(self) -> list[SampleResult]:
-        """Block until the ticket completed; its samples in plan order."""
+        """Block until the ticket completed; its results in plan order."""
         out = self._output
         if out.event is not None:
             out.event.synchronize()
@@ -46,8 +43,8 @@ class Ticket:
             return []
         tokens, counts, accepted = out.tokens.tolist(), out.counts.tolist(), out.accepted.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(tokens)
-        return [SampleResult(r, t[:c], a, lp[:c] if lp is not None else None)
-                for r, t, c, a, lp in zip(out.samples, tokens, counts, accepted, logprobs)]
+        return [SampleResult(g, t[:c], a, lp[:c] if lp is not None else None)
+                for g, t, c, a, lp in zip(out.groups, tokens, counts, accepted, logprobs)]
 
 
 class Executor:

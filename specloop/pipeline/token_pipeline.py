@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from specloop.scheduling.plan import RowGroup
+from specloop.scheduling.controller import Commit, GroupBuilder, Rollback
+from specloop.plan import Draft, RowGroup, Sample, VerifyCandidate
 from specloop.scheduling.request import Request, new_incarnation
-from specloop.pipeline.block import MakeGroup, TakeSlots
 
 
 @dataclasses.dataclass
@@ -40,18 +40,28 @@ class PipelineState:
 
 
 class TokenPipeline:
+    """Plans token pipelines (`speculation="pipeline"`); a pure state machine."""
+
     def __init__(self, num_loops: int, draft_loops: int) -> None:
         if not 1 <= draft_loops < num_loops:
             raise ValueError(f"draft_loops must lie in 1..{num_loops - 1}, got {draft_loops}")
         self.num_loops = num_loops
         self.draft_loops = draft_loops
-        self.width = num_loops  # draft buffer entries per request: candidate for pos at pos % width
+
+    @property
+    def draft_width(self) -> int:
+        """Draft buffer entries per request: the candidate for position p sits at p % width."""
+        return self.num_loops
+
+    @property
+    def rows_per_request(self) -> int:
+        return self.num_loops  # up to R live tokens
 
     def start(self, req: Request, base: int) -> None:
         limit = len(req.prompt_ids) + req.params.max_tokens - 1
         req.round = PipelineState([LiveToken(base)], limit) if base < limit else None
 
-    def groups(self, req: Request, budget: int, make_group: MakeGroup, take_slots: TakeSlots) -> list[RowGroup]:
+    def plan(self, req: Request, budget: int, builder: GroupBuilder) -> list[RowGroup]:
         pipe: PipelineState | None = req.round
         if pipe is None or not pipe.live or budget < len(pipe.live):
             return []
@@ -61,34 +71,38 @@ class TokenPipeline:
         for tok in list(pipe.live):
             slots = None
             if tok.depth == 0:
-                slots = take_slots(1)
+                slots = builder.take_slots(1)
                 if slots is None:  # no token slot: this (newest) token waits for the next call
                     break
             known = [tok.token] if tok.depth == 0 and tok.token is not None else None
-            group = make_group(req, tok.depth, tok.pos, tok.pos + 1, slots, known)
             nxt = tok.pos + 1
+            head = None
             if tok is newest and tok.depth == self.draft_loops - 1 and nxt < pipe.limit:
-                group.sample, group.draft_index = req.params, nxt % self.width
-                pipe.live.append(LiveToken(nxt))  # enters depth 0 in the next call
+                head = Draft(req.params, nxt % self.draft_width)
             if tok.depth == self.num_loops - 1:
-                group.sample, group.sample_index = req.params, nxt - len(req.prompt_ids)
-                group.controlled = True
-                if nxt in live_positions:
-                    group.verify, group.candidate_index = True, nxt % self.width
+                index = nxt - len(req.prompt_ids)
+                head = VerifyCandidate(req.params, index, nxt % self.draft_width) if nxt in live_positions \
+                    else Sample(req.params, index, controlled=True)
+            groups.append(builder.group(req, tok.depth, tok.pos, tok.pos + 1, head=head, slots=slots,
+                                        token_ids=known))
+            if isinstance(head, Draft):
+                pipe.live.append(LiveToken(nxt))  # enters depth 0 in the next call
             tok.depth += 1
-            groups.append(group)
         pipe.live = [t for t in pipe.live if t.depth < self.num_loops]
         return groups
 
-    def committed(self, req: Request, accepted: int, sample_index: int, token: int) -> tuple[int | None, list[int]]:
-        """A verification (or the plain sample at the end) committed: (positions to keep,
-        flushed positions). A rejection restarts from the emitted token at a new incarnation."""
+    def committed(self, req: Request, commit: Commit) -> Rollback:
+        """A verification (or the plain sample at the end) committed: accepted, nothing
+        changes; rejected, the pipeline restarts from the emitted token at a new incarnation."""
         req.produced += 1
-        if accepted:
-            return None, []
-        pos = len(req.prompt_ids) + sample_index  # where the emitted token sits
+        if commit.accepted:
+            return Rollback()
+        pos = len(req.prompt_ids) + commit.index  # where the emitted token sits
         pipe: PipelineState = req.round
-        flushed = [t.pos for t in pipe.live if t.pos >= pos]
-        pipe.live = [LiveToken(pos, token=token)] if pos < pipe.limit else []
+        flushed = tuple(t.pos for t in pipe.live if t.pos >= pos)
+        pipe.live = [LiveToken(pos, token=commit.token)] if pos < pipe.limit else []
         req.incarnation = new_incarnation()  # calls planned on the optimistic assumption are stale
-        return pos, flushed
+        return Rollback(keep=pos, flushed=flushed)
+
+    def held_slots(self, req: Request) -> list[int]:
+        return []  # a live token takes its slot when it is planned

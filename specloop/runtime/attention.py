@@ -1,96 +1,113 @@
-"""Paged KV storage and the torch attention backend for mixed-depth rows.
+"""Attention backends: each builds its own metadata from the forward batch, then attends.
 
-Physical format (BF16 pages, in the model dtype): K and V are [L, num_pages * block_size,
-Hkv, D]; a flat slot is page * block_size + offset. Every depth plane of every request
-draws pages from this one pool; the logical KV manager decides which. Packed formats
-(INT4 residuals) will implement the same small interface: `write`, `gather`, `inherit`.
+    meta = backend.build(batch, keep)           # once per forward call
+    out = backend.attend(layer, q, k, v, meta)  # per layer: store the rows' K/V, attend
 
-`PagedAttention` is the attention backend a forward call uses: it writes each row's K/V
-into its plane, then attends per group (one request, one depth, a contiguous query range)
-over that plane's keys [0, position]. Single-row groups (decodes) are batched into one
-padded gather; multi-row groups (prompt chunks) run scaled-dot-product attention each.
-All sizes come from the plan on the CPU: the forward never reads a device value back.
+The model only sees `bind(meta)`, an object with `attend(layer, q, k, v)`. Every row
+writes its K/V into its own depth plane (rows whose token exited keep the stored value)
+and attends causally to that plane of its request over positions [0, position].
+
+`TorchAttention` is the readable reference (the oracle for faster backends): single-row
+groups (decodes, rows [0, G1) of the batch) attend in one padded gather; every other group
+(prompt chunks, verifications) runs scaled-dot-product attention over its own keys. All
+sizes come from the batch's host-side shapes: nothing is read back from the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 import torch
 from torch.nn import functional as F
 
+from specloop.errors import ConfigError
+from specloop.runtime.forward_batch import ForwardBatch
+from specloop.runtime.kv_format import PagedKV
 
-class PagedKVStorage:
-    def __init__(
-        self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
-    ) -> None:
-        shape = (num_layers, num_pages * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size = block_size
+BACKENDS = ("auto", "torch")
 
-    @staticmethod
-    def page_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of one page: K and V of `block_size` tokens at every layer of one plane."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              keep: torch.Tensor | None) -> None:
-        """Store rows' K/V; rows where `keep` is true leave the stored value (exited tokens)."""
-        if keep is not None:
-            k = torch.where(keep[:, None, None], self.k[layer, slots], k)
-            v = torch.where(keep[:, None, None], self.v[layer, slots], v)
-        self.k[layer, slots] = k
-        self.v[layer, slots] = v
+class AttentionBackend(Protocol):
+    name: str
+    kv: PagedKV
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer, slots], self.v[layer, slots]
+    def build(self, batch: ForwardBatch, keep: torch.Tensor | None) -> Any: ...
 
-    def inherit(self, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor) -> None:
-        """LAST_EXITED: where `mask`, copy every layer's K/V from slot src to slot dst."""
-        m = mask[None, :, None, None]
-        self.k[:, dst] = torch.where(m, self.k[:, src], self.k[:, dst])
-        self.v[:, dst] = torch.where(m, self.v[:, src], self.v[:, dst])
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass
-class PrefillGroup:
+class Bound:
+    """A backend with one call's metadata: what the model's layers call."""
+
+    backend: AttentionBackend
+    meta: Any
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.attend(layer, q, k, v, self.meta)
+
+
+@dataclasses.dataclass
+class _Group:
     rows: slice  # the group's rows in the call
-    key_slots: torch.Tensor  # [Lk] flat slots of keys 0..end-1
+    key_slots: torch.Tensor  # [Lk] KV slots of keys 0..context-1
     mask: torch.Tensor  # [n, Lk] True where query i may read key j
 
 
 @dataclasses.dataclass
-class DecodeBatch:
-    rows: torch.Tensor  # [G] row index of each single-row group
-    key_slots: torch.Tensor  # [G, Lmax]
-    valid: torch.Tensor  # [G, Lmax] key j <= the row's position
+class TorchMeta:
+    write_slots: torch.Tensor
+    keep: torch.Tensor | None
+    num_single: int
+    single_keys: torch.Tensor | None  # [G1, Lmax] KV slots
+    single_valid: torch.Tensor | None  # [G1, Lmax]
+    groups: list[_Group]
 
 
-class PagedAttention:
-    """AttentionBackend over `PagedKVStorage`; the runner sets the per-call metadata."""
+class TorchAttention:
+    name = "torch"
 
-    def __init__(self, storage: PagedKVStorage) -> None:
-        self.storage = storage
-        self.write_slots: torch.Tensor | None = None
-        self.keep: torch.Tensor | None = None
-        self.prefills: list[PrefillGroup] = []
-        self.decodes: DecodeBatch | None = None
+    def __init__(self, kv: PagedKV) -> None:
+        self.kv = kv
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        assert self.write_slots is not None, "the runner sets metadata before the forward"
-        self.storage.write(layer, self.write_slots, k, v, self.keep)
+    def build(self, batch: ForwardBatch, keep: torch.Tensor | None) -> TorchMeta:
+        device, bs = batch.positions.device, batch.page_size
+        g1 = batch.num_single
+        single_keys = single_valid = None
+        if g1:
+            width = max(s.context for s in batch.groups[:g1])
+            span = torch.arange(width, device=device)
+            positions = batch.positions[:g1]
+            index = (batch.table_offsets[:g1, None] + span[None, :] // bs).clamp(max=batch.tables.numel() - 1)
+            single_keys = batch.tables[index] * bs + span[None, :] % bs  # padding reads are masked below
+            single_valid = span[None, :] <= positions[:, None]
+        groups = []
+        for shape in batch.groups[g1:]:
+            span = torch.arange(shape.context, device=device)
+            keys = batch.tables[shape.table + span // bs] * bs + span % bs
+            queries = batch.positions[shape.first: shape.first + shape.rows]
+            groups.append(_Group(slice(shape.first, shape.first + shape.rows), keys, span[None, :] <= queries[:, None]))
+        return TorchMeta(batch.write_slots, keep, g1, single_keys, single_valid, groups)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
+        self.kv.write(layer, meta.write_slots, k, v, meta.keep)
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
-        for group in self.prefills:
-            keys, values = self.storage.gather(layer, group.key_slots)
+        if meta.num_single:
+            keys, values = self.kv.read(layer, meta.single_keys)  # [G1, Lmax, Hkv, D]
+            out[: meta.num_single] = _decode_attention(q[: meta.num_single], keys, values, meta.single_valid, scale)
+        for group in meta.groups:
+            keys, values = self.kv.read(layer, group.key_slots)
             out[group.rows] = _sdpa(q[group.rows], keys, values, group.mask, scale)
-        if self.decodes is not None:
-            d = self.decodes
-            keys, values = self.storage.gather(layer, d.key_slots)  # [G, Lmax, Hkv, D]
-            out[d.rows] = _decode_attention(q[d.rows], keys, values, d.valid, scale)
         return out
+
+
+def make_backend(name: str, kv: PagedKV, device: torch.device) -> AttentionBackend:
+    """The backend `name` asks for; "auto" picks the fastest that runs here (today: torch)."""
+    if name not in BACKENDS:
+        raise ConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    return TorchAttention(kv)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from specloop.sampling_params import SamplingParams
 
-NO_TOP_K = 2**31 - 1  # top_k of rows without top-k; clamped to the vocabulary size in `sample`
+from specloop.runtime.forward_batch import NO_TOP_K  # top_k of rows without top-k; clamped in `sample`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +46,24 @@ class SamplingBatch:
     want_logprobs: bool
 
     @classmethod
+    def of(cls, params: list[SamplingParams], generators: list[torch.Generator], temperature: torch.Tensor,
+           top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor) -> "SamplingBatch":
+        """From device columns already uploaded (the forward batch's heads), with the CPU
+        flags from `params`; nothing is copied to the device here."""
+        sampled = [not p.is_greedy for p in params]
+        return cls(temperature, top_k, top_p, min_p, greedy,
+                   generators=tuple(g if s else None for g, s in zip(generators, sampled)),
+                   all_greedy=not any(sampled), any_greedy=not all(sampled),
+                   any_top_k=any(s and p.top_k > 0 for p, s in zip(params, sampled)),
+                   any_top_p=any(s and p.top_p < 1.0 for p, s in zip(params, sampled)),
+                   any_min_p=any(s and p.min_p > 0.0 for p, s in zip(params, sampled)),
+                   want_logprobs=any(p.logprobs for p in params))
+
+    @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator],
               device: torch.device | str) -> "SamplingBatch":
-        """Runs on the CPU while a plan is built; copies to CUDA are pinned and non-blocking."""
+        """Uploads the columns from Python lists: for tests and the admission check, not the
+        forward path (which uses `of` over the forward batch)."""
         if len(params) != len(generators):
             raise ValueError(f"need one generator per row: {len(params)} params, {len(generators)} generators")
         device = torch.device(device)

@@ -125,7 +125,6 @@ class _RequestKV:
     reserved_pages: int
     tables: list[list[int]]  # [plane] -> page ids; every plane has the same length
     frontiers: list[int]  # [plane] -> positions [0, frontier) written
-    exits: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> exit depth
 
     @property
     def pages_per_plane(self) -> int:
@@ -251,13 +250,12 @@ class KVManager:
 
         Pages wholly at or beyond the new frontier leave every plane's table and go back
         to the pool (returned, plane by plane, in table order); the reservation is kept so
-        the request can regrow. Exit-depth records past the frontier are dropped.
+        the request can regrow.
         """
         req = self._get(rid)
         if frontier < 0:
             raise ValueError(f"frontier must be >= 0, got {frontier}")
         req.frontiers = [min(frontier, f) for f in req.frontiers]
-        req.exits = {pos: depth for pos, depth in req.exits.items() if pos < frontier}
         keep = _ceil_div(frontier, self.block_size)
         dropped = [page for table in req.tables for page in table[keep:]]
         for table in req.tables:
@@ -274,7 +272,8 @@ class KVManager:
 
     # ----- per-request views -----
 
-    def block_table(self, rid: str, plane: int) -> list[int]:
+    def page_table(self, rid: str, plane: int) -> list[int]:
+        """A copy of the pages of `rid`'s plane, in position order."""
         return list(self._table(rid, plane))
 
     def coverage(self, rid: str) -> int:
@@ -282,20 +281,13 @@ class KVManager:
         return self._get(rid).pages_per_plane * self.block_size
 
     def slot(self, rid: str, plane: int, position: int) -> int:
-        """Flat slot of `position` in `plane`: page * block_size + position % block_size."""
+        """KV slot of `position` in `plane`: page * block_size + position % block_size (the
+        runner computes the same on the device from page tables; this is the host reference)."""
         table = self._table(rid, plane)
         if not 0 <= position < len(table) * self.block_size:
             raise IndexError(f"request {rid!r} plane {plane}: position {position} has no page")
         page = table[position // self.block_size]
         return page * self.block_size + position % self.block_size
-
-    def slots(self, rid: str, plane: int, start: int, end: int) -> list[int]:
-        """Flat slots of positions [start, end) in `plane`."""
-        table = self._table(rid, plane)
-        if not 0 <= start <= end <= len(table) * self.block_size:
-            raise IndexError(f"request {rid!r} plane {plane}: positions [{start}, {end}) are not all covered")
-        bs = self.block_size
-        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
     def frontier(self, rid: str, plane: int) -> int:
         self._table(rid, plane)  # validates plane
@@ -311,18 +303,6 @@ class KVManager:
                 f"[{current}, {self.coverage(rid)}]"
             )
         req.frontiers[plane] = new_frontier
-
-    def set_exit_depth(self, rid: str, position: int, depth: int) -> None:
-        """Record that the token at `position` exited at `depth` (LAST_EXITED history)."""
-        req = self._get(rid)
-        if not 0 <= depth < self.num_planes:
-            raise ValueError(f"exit depth {depth} is outside [0, {self.num_planes})")
-        if not 0 <= position < self.coverage(rid):
-            raise IndexError(f"request {rid!r}: position {position} has no page")
-        req.exits[position] = depth
-
-    def exit_depths(self, rid: str) -> dict[int, int]:
-        return dict(self._get(rid).exits)
 
     def bytes_used(self, rid: str) -> int:
         return self._get(rid).held_pages * self.page_bytes

@@ -64,13 +64,13 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: stop_token_ids, and eos unless ignore_eos
     incarnation: int = dataclasses.field(default_factory=new_incarnation)
     status: Status = Status.WAITING
-    req_slot: int = -1  # index of the request's device-side state (next token, generator)
+    cell: int = -1  # the request cell: index of its device-side state (next token, draft buffer)
     # Scheduled (optimistic) state:
     num_tokens: int = 0  # positions that exist: prompt + samples scheduled in earlier plans
     produced: int = 0  # output tokens whose generation is scheduled (committed ones included)
     speculating: bool = False  # the speculation controller plans this request's rows
     round: Any = None  # the speculation controller's state of the current round
-    hidden_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> token slot
+    token_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> token slot of a live token
     # Committed state:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None

@@ -1,10 +1,15 @@
 """Wire types of the OpenAI-compatible HTTP API, as msgspec Structs.
 
+They live in the library, not in `server/`, because both ends speak them: the server
+(`server/`) decodes requests and encodes responses with them, and `specloop.client`
+decodes responses into them. This module imports nothing of specloop, so the client needs
+neither the server nor torch.
+
 Requests are decoded straight from the raw body with `msgspec.json.decode(body, type=...)`,
 so a wrong type or a missing field comes back as one `msgspec.ValidationError` whose path
 names the field. Unknown fields are ignored, as OpenAI clients send many optional ones;
 fields of features the server lacks (tools, structured output, audio...) are declared, typed
-`Any`, so that the schema shows them and params.py can refuse them by name.
+`Any`, so that the schema shows them and server/params.py can refuse them by name.
 Most sampling fields accept `null` and mean "the default" then; the ranges are checked by
 `SamplingParams`, which names the field it refuses.
 
@@ -27,7 +32,7 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
-class _GenerationRequest(Struct, kw_only=True):
+class GenerationRequest(Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -58,8 +63,8 @@ class _GenerationRequest(Struct, kw_only=True):
     structured_outputs: Any = None
 
 
-class CompletionRequest(_GenerationRequest, kw_only=True):
-    prompt: str | list[Any]  # a string, token ids, or a list of either (checked in params.py)
+class CompletionRequest(GenerationRequest, kw_only=True):
+    prompt: str | list[Any]  # a string, token ids, or a list of either (checked in server/params.py)
     logprobs: int | None = None  # 0: the chosen tokens' logprobs (top alternatives unsupported)
     echo: bool = False  # unsupported
     best_of: int | None = None  # only 1 is supported
@@ -77,7 +82,7 @@ class ChatMessage(Struct):
     name: str | None = None
 
 
-class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+class ChatCompletionRequest(GenerationRequest, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False

@@ -21,14 +21,10 @@ submission order on one stream, and draft samples send nothing to the host.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
-from specloop.scheduling.plan import RowGroup
+from specloop.scheduling.controller import Commit, GroupBuilder, Rollback
+from specloop.plan import Draft, RowGroup, Verify
 from specloop.scheduling.request import Request
-
-# (request, depth, start, end, token slots taken already, token ids known on the host) -> group
-MakeGroup = Callable[[Request, int, int, int, "list[int] | None", "list[int] | None"], RowGroup]
-TakeSlots = Callable[[int], list[int] | None]  # n token slots at once, or None if fewer are free
 
 
 @dataclasses.dataclass
@@ -48,13 +44,25 @@ class Round:
         return self.k + 1
 
 
-class BlockSpeculation:
+class RoundController:
+    """Plans block self-speculation rounds (`speculation="block"`); a pure state machine."""
+
     def __init__(self, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> None:
         if not 1 <= draft_loops < num_loops:
             raise ValueError(f"draft_loops must lie in 1..{num_loops - 1}, got {draft_loops}")
         self.num_loops = num_loops
         self.draft_loops = draft_loops
         self.k = num_speculative_tokens
+
+    @property
+    def draft_width(self) -> int:
+        """Draft buffer entries per request: one per candidate."""
+        return self.k
+
+    @property
+    def rows_per_request(self) -> int:
+        """Token slots one request may hold in one plan: a verification's k+1 rows, or R live tokens."""
+        return max(self.k + 1, self.num_loops)
 
     def start(self, req: Request, base: int, produced: int | None = None, token: int | None = None,
               guessed: bool = False) -> None:
@@ -63,7 +71,7 @@ class BlockSpeculation:
         remaining = req.params.max_tokens - (req.produced if produced is None else produced)
         req.round = Round(base=base, k=min(self.k, remaining - 1), token=token, guessed=guessed) if remaining > 0 else None
 
-    def groups(self, req: Request, budget: int, make_group: MakeGroup, take_slots: TakeSlots) -> list[RowGroup]:
+    def plan(self, req: Request, budget: int, builder: GroupBuilder) -> list[RowGroup]:
         """This plan's group for a request in a round (at most one), within `budget` rows.
 
         A round takes the token slots of all its rows when it starts, so a round never
@@ -76,55 +84,55 @@ class BlockSpeculation:
         if rnd is None:
             return []
         if not rnd.verifying:
-            if rnd.slots is None and rnd.row == 0 and rnd.depth == 0:
-                rnd.slots = take_slots(rnd.num_rows)
-            if budget < 1 or rnd.slots is None:
-                return []
-            pos = rnd.base + rnd.row
-            entering = rnd.slots[:1] if rnd.depth == 0 else None
-            known = [rnd.token] if rnd.row == 0 and rnd.depth == 0 and rnd.token is not None else None
-            group = make_group(req, rnd.depth, pos, pos + 1, entering, known)
-            if entering:  # the row holds its slot now (popped only once planned, so a failure cannot lose it)
-                rnd.slots.pop(0)
-            if rnd.depth == self.draft_loops - 1 and rnd.row < rnd.k:
-                group.sample, group.draft_index = req.params, rnd.row
-            rnd.depth += 1
-            if rnd.depth == self.draft_loops:
-                rnd.row, rnd.depth = rnd.row + 1, 0
-                if rnd.row > rnd.k:
-                    rnd.verifying, rnd.depth = True, self.draft_loops
-            return [group]
+            return self._draft_row(req, rnd, budget, builder)
         if budget < rnd.num_rows or rnd.guessed:  # a guessed round verifies only once confirmed
             return []
-        group = make_group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, None, None)
+        head = None
         if rnd.depth == self.num_loops - 1:
-            group.sample, group.verify, group.sample_index = req.params, True, req.produced
-            group.controlled = True
+            head = Verify(req.params, req.produced, rnd.k)
             rnd.submitted = True
+        group = builder.group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, head=head)
         rnd.depth += 1
         return [group]
 
-    def committed(self, req: Request, accepted: int, sample_index: int, token: int) -> tuple[int | None, list[int]]:
-        """A verification committed: (positions to keep, flushed positions).
+    def _draft_row(self, req: Request, rnd: Round, budget: int, builder: GroupBuilder) -> list[RowGroup]:
+        """The next row of the draft pass: row `rnd.row` at `rnd.depth`; its last draft loop drafts."""
+        if rnd.slots is None and rnd.row == 0 and rnd.depth == 0:
+            rnd.slots = builder.take_slots(rnd.num_rows)
+        if budget < 1 or rnd.slots is None:
+            return []
+        pos = rnd.base + rnd.row
+        entering = rnd.slots[:1] if rnd.depth == 0 else None
+        known = [rnd.token] if rnd.row == 0 and rnd.depth == 0 and rnd.token is not None else None
+        head = Draft(req.params, rnd.row) if rnd.depth == self.draft_loops - 1 and rnd.row < rnd.k else None
+        group = builder.group(req, rnd.depth, pos, pos + 1, head=head, slots=entering, token_ids=known)
+        if entering:  # the row holds its slot now (popped only once planned, so a failure cannot lose it)
+            rnd.slots.pop(0)
+        rnd.depth += 1
+        if rnd.depth == self.draft_loops:
+            rnd.row, rnd.depth = rnd.row + 1, 0
+            if rnd.row > rnd.k:
+                rnd.verifying, rnd.depth = True, self.draft_loops
+        return [group]
 
-        Keeps the guessed next round when it started where the accepted count says;
-        otherwise flushes it and starts the right round from the emitted token."""
-        next_base = len(req.prompt_ids) + sample_index + accepted  # where the emitted last token sits
-        req.produced += accepted + 1
+    def committed(self, req: Request, commit: Commit) -> Rollback:
+        """A verification committed. Keeps the guessed next round when it started where the
+        accepted count says; otherwise flushes it and starts the right round from the
+        emitted token."""
+        next_base = len(req.prompt_ids) + commit.index + commit.accepted  # where the emitted last token sits
+        req.produced += commit.accepted + 1
         rnd: Round | None = req.round
         if rnd is not None and rnd.guessed and rnd.base == next_base:
             rnd.guessed = False  # the guess was right
-            return None, []
-        flushed = sorted(p for p in req.hidden_slots if p >= next_base)
-        self.start(req, next_base, token=token)
-        return next_base, flushed
+            return Rollback()
+        flushed = tuple(sorted(p for p in req.token_slots if p >= next_base))
+        self.start(req, next_base, token=commit.token)
+        return Rollback(keep=next_base, flushed=flushed, dropped_slots=tuple(_unused(rnd)))
+
+    def held_slots(self, req: Request) -> list[int]:
+        """Token slots the current round took for rows it has not drafted yet."""
+        return _unused(req.round)
 
 
-def unused_slots(req: Request) -> list[int]:
-    """Token slots the request's round took for rows it has not drafted yet (to return on abort)."""
-    return unused_slots_of(req.round)
-
-
-def unused_slots_of(state: object) -> list[int]:
-    slots = getattr(state, "slots", None)
-    return list(slots) if slots else []
+def _unused(rnd: Round | None) -> list[int]:
+    return list(rnd.slots) if rnd is not None and rnd.slots else []

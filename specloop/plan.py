@@ -1,0 +1,98 @@
+"""A plan: the rows of one forward call, as plain data (no torch) that the runner turns
+into one forward batch.
+
+Rows come in groups: a group is a contiguous position range [start, end) of one request
+at one depth. Every row of a group writes its K/V into the group's depth plane and attends
+causally to that plane of its request over positions [0, position]. A group ends in a
+head, one of:
+
+- `None`: the rows only advance (a prompt chunk, a token between loops);
+- `Sample`: the head runs on the last row and samples the request's next token, which
+  goes to the host and to the request cell (a later depth-0 row embeds it from there
+  without the CPU reading it: `token_ids is None`);
+- `Draft`: the last row, at the draft depth, drafts a candidate into the request cell
+  and the request's draft buffer, never to the host;
+- `Verify`: a round's k+1 rows at full depth check the k drafted candidates; the
+  accepted ones and a correction (or bonus) token go to the host;
+- `VerifyCandidate`: one row at full depth checks one drafted candidate (a token
+  pipeline's oldest live token checks the next).
+
+The scheduler is the plan's one writer; controllers describe the groups they want and
+the scheduler builds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specloop.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    params: SamplingParams
+    index: int  # which output token of the request (0-based)
+    controlled: bool = False  # a speculation controller owns the request and sees the commit
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    params: SamplingParams
+    position: int  # entry of the request's draft buffer that receives the candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class Verify:
+    params: SamplingParams
+    index: int  # output index of the first token the verification emits
+    num_candidates: int  # k: rows 0..k check draft buffer entries 0..k-1
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyCandidate:
+    params: SamplingParams
+    index: int  # output index of the token it emits
+    position: int  # the draft buffer entry holding the candidate
+
+    num_candidates = 1
+
+
+Head = Sample | Draft | Verify | VerifyCandidate | None
+HOST_HEADS = (Sample, Verify, VerifyCandidate)  # heads whose tokens go to the host
+
+
+@dataclasses.dataclass
+class RowGroup:
+    request_id: str
+    incarnation: int
+    arrival: int  # identifies the request object (its sampling draws)
+    cell: int  # the request cell: per-request device state (next token, draft buffer)
+    depth: int
+    start: int
+    end: int
+    token_ids: list[int] | None  # depth 0: prompt ids for [start, end); None: the request cell
+    token_slots: list[int]  # token slot of each row
+    page_table: list[int]  # pages of this depth's plane covering [0, end)
+    deeper_tables: list[list[int]] = dataclasses.field(default_factory=list)  # with adaptive exit only:
+    # the pages of planes depth+1.. covering [start, end), where an exiting token's K/V is inherited
+    head: Head = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class Plan:
+    ticket_id: int
+    groups: list[RowGroup]
+    adaptive_exit: bool
+
+    @property
+    def num_rows(self) -> int:
+        return sum(g.num_rows for g in self.groups)
+
+    @property
+    def host_groups(self) -> list[RowGroup]:
+        """Groups whose tokens go to the host, in plan order (one result each)."""
+        return [g for g in self.groups if isinstance(g.head, HOST_HEADS)]

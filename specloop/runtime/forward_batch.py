@@ -1,0 +1,268 @@
+"""The forward batch: one call's device metadata, built from a plan by its one writer.
+
+Everything a forward call reads about its rows lives here, in buffers allocated once at
+start-up (pinned staging on the host, a mirror on the device), so a call costs one
+host-to-device copy of integers and one of floats, and the addresses never change (what a
+CUDA graph needs). Views into the device buffer, by segment:
+
+- rows [N]: absolute position (any order; nonconsecutive allowed), depth, request cell,
+  token slot, token id (-1: take it from the request cell), the offset of its own plane's
+  page table in `tables` and, with adaptive exit, of each deeper plane's (-1 where none);
+- entering rows [E]: rows at depth 0 and the incarnation of their request;
+- heads [H], grouped by head type in plan order: the row the head reads (a sample's or
+  draft's last row, a verification's first), the request cell, the result row it fills
+  on the host (-1: none), one integer of its own (draft buffer entry, k, candidate entry),
+  and the sampling parameters (top_k; temperature, top_p, min_p as fp32);
+- tables [T]: page tables, one per (request cell, plane) in the plan.
+
+KV slots are computed on the device from page tables and positions: slot = page *
+page_size + position % page_size. Host-side summaries (row counts, group shapes, head
+lists) travel beside the device views as plain Python, for shapes and Python flags.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+
+import torch
+
+from specloop.plan import Draft, Plan, RowGroup, Sample, Verify, VerifyCandidate
+
+HEAD_TYPES = (Sample, Draft, Verify, VerifyCandidate)  # the order heads run in: drafts before the
+# verifications that may read the request cell they write (token pipelines)
+HEAD_COLUMNS = 6  # row, cell, result, aux, top_k, greedy
+NO_TOP_K = 2**31 - 1  # top_k of rows without top-k; clamped to the vocabulary in the sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupShape:
+    """Host-side shape of one row group: its rows [first, first + rows), its keys [0, context)."""
+
+    first: int
+    rows: int
+    context: int
+    table: int  # offset of its plane's page table in `tables`
+
+
+@dataclasses.dataclass
+class HeadSegment:
+    """The heads of one type: device columns and the groups they belong to (plan order)."""
+
+    groups: list[RowGroup]
+    row: torch.Tensor  # [H] long
+    cell: torch.Tensor  # [H] long
+    result: torch.Tensor  # [H] long: host result row, -1 for drafts
+    aux: torch.Tensor  # [H] long: draft entry, k, or candidate entry
+    top_k: torch.Tensor  # [H] long
+    greedy: torch.Tensor  # [H] bool
+    temperature: torch.Tensor  # [H] fp32
+    top_p: torch.Tensor  # [H] fp32
+    min_p: torch.Tensor  # [H] fp32
+    first_row: list[int]  # host copy of `row`
+    result_rows: list[int]  # host copy of `result`
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    plan: Plan
+    num_rows: int
+    positions: torch.Tensor  # [N] long
+    depths: torch.Tensor  # [N] long
+    cells: torch.Tensor  # [N] long
+    token_slots: torch.Tensor  # [N] long
+    token_ids: torch.Tensor  # [N] long, -1: from the request cell
+    tables: torch.Tensor  # [T] long: page ids
+    table_offsets: torch.Tensor  # [N] long: where each row's own page table starts in `tables`
+    write_slots: torch.Tensor  # [N] long: each row's KV slot in its own plane (computed on the device)
+    deeper_slots: torch.Tensor | None  # [N, R] long: KV slot in each plane, -1 where none (adaptive exit)
+    enter_rows: torch.Tensor | None  # [E] long
+    enter_incarnations: torch.Tensor | None  # [E] long
+    groups: list[GroupShape]  # single-row groups first, then the others, each in plan order
+    num_single: int  # rows [0, num_single) are the single-row groups (decodes)
+    heads: dict[type, HeadSegment]
+    host_groups: list[RowGroup]  # groups with a host result, in result order
+    page_size: int
+
+    def segment(self, kind: type) -> HeadSegment | None:
+        return self.heads.get(kind)
+
+
+class ForwardBatchBuilder:
+    """Owns the staging and device buffers; `build(plan)` is the batch's only writer."""
+
+    ROW_COLUMNS = 6  # position, depth, cell, slot, token, table
+
+    def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
+                 device: torch.device) -> None:
+        self.num_loops = num_loops
+        self.page_size = page_size
+        self.device = device
+        self.max_rows = max_rows
+        self.max_tables = max_seqs * num_loops * max_pages_per_seq
+        ints = max_rows * (self.ROW_COLUMNS + num_loops) + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables
+        floats = 3 * max_rows
+        pin = device.type == "cuda"
+        self._host_ints = torch.zeros(ints, dtype=torch.long, pin_memory=pin)
+        self._host_floats = torch.zeros(floats, dtype=torch.float32, pin_memory=pin)
+        self._ints = torch.zeros(ints, dtype=torch.long, device=device)
+        self._floats = torch.zeros(floats, dtype=torch.float32, device=device)
+        self.uploads = 0  # host-to-device copies so far (a test counts them per call)
+
+    def build(self, plan: Plan) -> ForwardBatch:
+        rows = _Columns(self.ROW_COLUMNS + (self.num_loops if plan.adaptive_exit else 0))
+        tables: list[int] = []
+        table_at: dict[tuple[int, int], tuple[int, int]] = {}
+        enter: list[int] = []
+        enter_inc: list[int] = []
+        shapes: list[GroupShape] = []
+        by_kind: dict[type, list[tuple[int, RowGroup]]] = {}
+        host_groups = plan.host_groups  # results in plan order
+        first = 0
+        # Single-row groups first: a backend then finds every decode row in rows [0, G1).
+        ordered = sorted(plan.groups, key=lambda g: g.num_rows > 1)
+        for group in ordered:
+            n = group.num_rows
+            own = _table_offset(table_at, tables, group.cell, group.depth, group.page_table)
+            shapes.append(GroupShape(first, n, group.end, own))
+            rows.extend(group, own)
+            if plan.adaptive_exit:
+                deeper = [-1] * (group.depth + 1) + [
+                    _table_offset(table_at, tables, group.cell, plane, table)
+                    for plane, table in enumerate(group.deeper_tables, start=group.depth + 1)]
+                rows.extend_planes(deeper, n)
+            if group.depth == 0:
+                enter.extend(range(first, first + n))
+                enter_inc.extend([group.incarnation] * n)
+            if group.head is not None:
+                head_row = first if isinstance(group.head, Verify) else first + n - 1
+                by_kind.setdefault(type(group.head), []).append((head_row, group))
+            first += n
+        if first > self.max_rows or len(tables) > self.max_tables:
+            raise ValueError(f"a plan of {first} rows and {len(tables)} table entries exceeds the forward "
+                             f"batch ({self.max_rows} rows, {self.max_tables} table entries)")
+        results = {id(g): i for i, g in enumerate(host_groups)}
+        heads, head_ints, head_floats = [], [], []
+        for kind in HEAD_TYPES:
+            for row, group in by_kind.get(kind, ()):
+                heads.append((kind, row, group))
+                head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
+                head_floats.extend(_head_floats(group))
+        ints = rows.flat() + enter + enter_inc + head_ints + tables
+        dev_ints = self._upload(self._host_ints, self._ints, array.array("q", ints))
+        dev_floats = self._upload(self._host_floats, self._floats, array.array("f", head_floats))
+        return self._views(plan, first, rows.width, len(enter), heads, len(tables), dev_ints, dev_floats,
+                           shapes, host_groups, results)
+
+    def _upload(self, host: torch.Tensor, device: torch.Tensor, values: array.array) -> torch.Tensor:
+        n = len(values)
+        if n:
+            host[:n].copy_(torch.frombuffer(values, dtype=host.dtype))
+            device[:n].copy_(host[:n], non_blocking=True)
+            self.uploads += 1
+        return device
+
+    def _views(self, plan: Plan, n: int, width: int, e: int, heads: list, t: int, ints: torch.Tensor,
+               floats: torch.Tensor, shapes: list[GroupShape], host_groups: list[RowGroup],
+               results: dict[int, int]) -> ForwardBatch:
+        cols = ints[: n * width].view(width, n) if n else ints[:0].view(width, 0)
+        at = n * width
+        enter_rows, enter_inc = ints[at: at + e], ints[at + e: at + 2 * e]
+        at += 2 * e
+        h = len(heads)
+        head_cols = ints[at: at + HEAD_COLUMNS * h].view(h, HEAD_COLUMNS) if h else ints[:0].view(0, HEAD_COLUMNS)
+        at += HEAD_COLUMNS * h
+        tables = ints[at: at + t]
+        head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
+        positions, table = cols[0], cols[5]
+        bs = self.page_size
+        write_slots = _kv_slots(tables, table, positions, bs)
+        deeper = None
+        if plan.adaptive_exit:
+            offsets = cols[self.ROW_COLUMNS:].t()  # [N, R]
+            slots = _kv_slots(tables, offsets.clamp(min=0), positions[:, None], bs)
+            deeper = torch.where(offsets >= 0, slots, torch.full_like(slots, -1))
+        segments: dict[type, HeadSegment] = {}
+        start = 0
+        for kind in HEAD_TYPES:
+            members = [(row, g) for k, row, g in heads if k is kind]
+            if members:
+                c = head_cols[start: start + len(members)]
+                f = head_floats[start: start + len(members)]
+                segments[kind] = HeadSegment([g for _, g in members], c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4],
+                                             c[:, 5].bool(), f[:, 0], f[:, 1], f[:, 2], [row for row, _ in members],
+                                             [results.get(id(g), -1) for _, g in members])
+                start += len(members)
+        single = sum(1 for g in shapes if g.rows == 1)
+        return ForwardBatch(plan, n, positions, cols[1], cols[2], cols[3], cols[4], tables, table, write_slots, deeper,
+                            enter_rows if e else None, enter_inc if e else None, shapes, single, segments,
+                            host_groups, bs)
+
+
+class _Columns:
+    """Per-row integer columns, filled group by group (each column a list, extended in C)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.columns: list[list[int]] = [[] for _ in range(width)]
+
+    def extend(self, group: RowGroup, table: int) -> None:
+        n = group.num_rows
+        pos, depth, cell, slot, token, tab = self.columns[:6]
+        pos.extend(range(group.start, group.end))
+        depth.extend([group.depth] * n)
+        cell.extend([group.cell] * n)
+        slot.extend(group.token_slots)
+        token.extend(group.token_ids if group.token_ids is not None else [-1] * n)
+        tab.extend([table] * n)
+
+    def extend_planes(self, offsets: list[int], n: int) -> None:
+        for column, offset in zip(self.columns[6:], offsets):
+            column.extend([offset] * n)
+
+    def flat(self) -> list[int]:
+        out: list[int] = []
+        for column in self.columns:
+            out.extend(column)
+        return out
+
+
+def _table_offset(table_at: dict[tuple[int, int], tuple[int, int]], tables: list[int], cell: int, plane: int,
+                  pages: list[int]) -> int:
+    """Where (cell, plane)'s page table sits in `tables`. Groups of one request and plane
+    share one copy; a longer table (a later group reaching further) is stored anew, and
+    the earlier copy stays valid for the groups that point at it (it is its prefix)."""
+    key = (cell, plane)
+    at, length = table_at.get(key, (-1, -1))
+    if len(pages) > length:
+        at = len(tables)
+        tables.extend(pages)
+        table_at[key] = (at, len(pages))
+    return at
+
+
+def _head_ints(row: int, group: RowGroup, result: int) -> list[int]:
+    head = group.head
+    aux = head.position if isinstance(head, (Draft, VerifyCandidate)) else getattr(head, "num_candidates", 0)
+    p = head.params
+    top_k = p.top_k if not p.is_greedy and p.top_k > 0 else NO_TOP_K
+    return [row, group.cell, result, aux, top_k, int(p.is_greedy)]
+
+
+def _head_floats(group: RowGroup) -> list[float]:
+    """Greedy heads carry neutral values (temperature 1, no filters): they take the argmax."""
+    p = group.head.params
+    if p.is_greedy:
+        return [1.0, 1.0, 0.0]
+    return [p.temperature, p.top_p, p.min_p]
+
+
+def _kv_slots(tables: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """KV slots of `positions` through the page tables starting at `offsets` (broadcasting)."""
+    if tables.numel() == 0:
+        return torch.zeros_like(positions + offsets)
+    index = (offsets + torch.div(positions, page_size, rounding_mode="floor")).clamp(max=tables.numel() - 1)
+    return tables[index] * page_size + positions % page_size

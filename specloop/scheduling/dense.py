@@ -1,0 +1,69 @@
+"""The dense controller: prompts as a wavefront through the depths, then one token at a time.
+
+A request's rows at depth d >= 1 are ready up to the frontier of depth d - 1; they are
+planned deepest first, so tokens finish as early as possible. Rows that enter depth 0
+(prompt chunks, the next generated token) are queued with the builder, which orders them
+across requests (single-token decodes before prompt chunks). The last row of a request at
+full depth samples its next token; with speculation on, the speculation controller takes
+the request over from that first output token.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from specloop.scheduling.controller import Commit, Controller, GroupBuilder, Rollback
+from specloop.plan import RowGroup, Sample
+from specloop.scheduling.request import Request
+
+
+class DenseController:
+    def __init__(self, num_loops: int, handoff: Controller | None = None) -> None:
+        self.num_loops = num_loops
+        self.handoff = handoff  # takes a request over after its first sample (speculation)
+
+    def start(self, req: Request, base: int) -> None:
+        """Dense planning needs no state of its own: the KV frontiers say what is ready."""
+
+    def plan(self, req: Request, budget: int, builder: "DenseBuilder") -> list[RowGroup]:
+        frontiers = [builder.frontier(req, d) for d in range(self.num_loops)]
+        num_tokens = req.num_tokens  # a token sampled in this plan enters depth 0 only in the next one
+        groups = []
+        for depth in range(self.num_loops - 1, 0, -1):
+            take = min(budget, frontiers[depth - 1] - frontiers[depth])
+            if take > 0:
+                groups.append(self.group(req, depth, frontiers[depth], frontiers[depth] + take, builder))
+                budget -= take
+        waiting = num_tokens - frontiers[0]
+        if waiting > 0:
+            builder.queue_entry(req, frontiers[0], waiting)
+        return groups
+
+    def group(self, req: Request, depth: int, start: int, end: int, builder: GroupBuilder) -> RowGroup:
+        """Rows [start, end) at `depth`; the request's last row at full depth samples."""
+        head = None
+        if depth == self.num_loops - 1 and end == req.num_tokens and req.wants_more_samples:
+            head = Sample(req.params, req.produced)
+        group = builder.group(req, depth, start, end, head=head)
+        if head is not None:
+            req.produced += 1
+            if self.handoff is not None:  # speculation takes over from the first output token
+                req.speculating = True
+                self.handoff.start(req, base=end)
+            elif req.wants_more_samples:
+                req.num_tokens += 1  # the sampled token's position exists from the next plan on
+        return group
+
+    def committed(self, req: Request, commit: Commit) -> Rollback:
+        return Rollback()  # a dense sample never rolls anything back
+
+    def held_slots(self, req: Request) -> list[int]:
+        return []
+
+
+class DenseBuilder(GroupBuilder, Protocol):
+    """What the dense controller needs of the scheduler beyond building groups."""
+
+    def frontier(self, req: Request, depth: int) -> int: ...
+
+    def queue_entry(self, req: Request, start: int, rows: int) -> None: ...
