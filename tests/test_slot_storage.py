@@ -1,4 +1,4 @@
-"""Token slot storage: per-slot device state, the reference-state room, and the engine
+"""Token slot storage: per-slot device state, and the engine
 keeping each slot's depth, candidate and incarnation in step with its plans."""
 
 from __future__ import annotations
@@ -9,57 +9,12 @@ import torch
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.sampling_params import SamplingParams
-from specloop.runtime.slot_storage import ReferenceShape, ReferenceState, SlotStorage
-
-SHAPE = ReferenceShape(num_layers=3, num_heads=4, head_dim=8, budget=5)
-
-
-@pytest.mark.parametrize("n, retention, want", [(1, 0.1, 1), (10, 0.1, 1), (11, 0.1, 2), (100, 0.1, 10),
-                                                 (7, 1.0, 7), (3, 0.25, 1), (4096, 0.1, 410)])
-def test_budget_for(n, retention, want):
-    assert ReferenceShape.budget_for(n, retention) == want
-
-
-@pytest.mark.parametrize("n, retention", [(0, 0.1), (5, 0.0), (5, 1.5)])
-def test_budget_for_rejects_bad_input(n, retention):
-    with pytest.raises(ValueError):
-        ReferenceShape.budget_for(n, retention)
-
-
-def test_bytes_per_slot_matches_the_allocation():
-    ref = ReferenceState(2, SHAPE, torch.device("cpu"))
-    per_slot = sum(t[0].nbytes for t in (ref.positions, ref.count, ref.mass, ref.o_ref, ref.c_ref))
-    assert SHAPE.bytes_per_slot == per_slot
-
-
-def test_reference_write_read_roundtrip_touches_only_its_slots_and_layer():
-    gen = torch.Generator().manual_seed(0)
-    ref = ReferenceState(6, SHAPE, torch.device("cpu"))
-    slots = torch.tensor([4, 1])
-    positions = torch.tensor([[[3, 0, 7], [1, -1, -1], [2, 5, -1], [9, 8, 6]],
-                              [[0, -1, -1], [4, 2, 1], [1, 3, -1], [6, -1, -1]]])
-    mass = torch.rand(2, 4, generator=gen)
-    o_ref = torch.randn(2, 4, 8, generator=gen, dtype=torch.float64)
-    c_ref = torch.randn(2, 4, 8, generator=gen, dtype=torch.float64)
-    ref.write(slots, 1, positions, mass, o_ref, c_ref)
-    pos, count, m, o, c = ref.read(slots, 1)
-    assert torch.equal(pos[:, :, :3], positions.int()) and bool((pos[:, :, 3:] == -1).all())
-    assert count.tolist() == [[3, 1, 2, 3], [1, 3, 2, 1]]
-    assert torch.equal(m, mass) and torch.equal(o, o_ref.float()) and torch.equal(c, c_ref.float())
-    # other slots and other layers of these slots are untouched
-    others = torch.tensor([0, 2, 3, 5])
-    assert bool((ref.count[others] == 0).all()) and bool((ref.positions[others] == -1).all())
-    assert bool((ref.count[slots][:, [0, 2]] == 0).all()) and bool((ref.o_ref[slots][:, [0, 2]] == 0).all())
-    with pytest.raises(ValueError):
-        ref.write(slots, 0, torch.zeros(2, 4, SHAPE.budget + 1, dtype=torch.long), mass, o_ref, c_ref)
+from specloop.runtime.slot_storage import SlotStorage
 
 
 def test_entering_a_slot_resets_its_state_and_keeps_the_others():
-    store = SlotStorage(4, 6, torch.float32, torch.device("cpu"), reference=SHAPE)
-    ref = store.reference
+    store = SlotStorage(4, 6, torch.float32, torch.device("cpu"))
     everything = torch.arange(4)
-    ref.write(everything, 2, torch.ones(4, 4, 2, dtype=torch.long), torch.ones(4, 4), torch.ones(4, 4, 8),
-              torch.ones(4, 4, 8))
     store.advance(everything, torch.tensor([2, 2, 2, 2]), torch.ones(4, 6))
     store.survival.fill_(0.25)
     store.exited.fill_(True)
@@ -67,14 +22,8 @@ def test_entering_a_slot_resets_its_state_and_keeps_the_others():
     assert store.depth.tolist() == [3, 3, 0, 3]
     assert store.candidate[2].item() == 41 and store.incarnation[2].item() == 7
     assert store.survival.tolist() == [0.25, 0.25, 1.0, 0.25] and store.exited.tolist() == [True, True, False, True]
-    assert ref.count[:, 2, 0].tolist() == [2, 2, 0, 2]  # the entering token has no reference yet
-    assert bool((ref.positions[2] == -1).all())
     store.advance(torch.tensor([2]), torch.tensor([0]), torch.full((1, 6), 5.0))
     assert store.depth[2].item() == 1 and bool((store.hidden[2] == 5.0).all())
-
-
-def test_no_reference_room_unless_asked():
-    assert SlotStorage(3, 4, torch.float32, torch.device("cpu")).reference is None
 
 
 @pytest.mark.parametrize("spec", [{}, {"exit_threshold": 0.6},
