@@ -123,3 +123,24 @@ def test_attention_backend_option(tiny_ckpt, caplog):
     explicit = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", kv_cache_bytes=1 << 20,
                                                    attention_backend="torch"))
     assert explicit.backend.name == "torch"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staging_is_not_overwritten_while_its_copy_is_pending(tiny_ckpt):
+    """With the GPU far behind (a long sleep kernel queued first), building the next batches
+    must not change what the pending copy of the first one uploads."""
+    engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cuda", dtype="float32",
+                                                 kv_cache_bytes=8 << 20))
+    builder = engine.executor.runner.batches
+    engine.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=1))
+    engine.add_request("b", list(range(30, 33)), SamplingParams(max_tokens=1))
+    plans = [engine.scheduler.schedule() for _ in range(3)]  # depths 0, 1, 2 of both prompts
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy while the CPU builds ahead
+    first = builder.build(plans[0])
+    want = first.positions.clone()  # ordered after the copy on the stream: the true value
+    for plan in plans[1:]:
+        builder.build(plan)
+    torch.cuda.synchronize()
+    expected = sorted((g for g in plans[0].groups), key=lambda g: g.num_rows > 1)
+    assert want.tolist() == [p for g in expected for p in range(g.start, g.end)]

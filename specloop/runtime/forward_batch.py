@@ -32,6 +32,7 @@ from specloop.plan import Draft, Plan, RowGroup, Sample, Verify, VerifyCandidate
 HEAD_TYPES = (Sample, Draft, Verify, VerifyCandidate)  # the order heads run in: drafts before the
 # verifications that may read the request cell they write (token pipelines)
 HEAD_COLUMNS = 6  # row, cell, result, aux, top_k, greedy
+STAGING_RING = 4  # host staging buffers in turn (more than the tickets that may be in flight)
 NO_TOP_K = 2**31 - 1  # top_k of rows without top-k; clamped to the vocabulary in the sampler
 
 
@@ -106,8 +107,12 @@ class ForwardBatchBuilder:
         ints = max_rows * (self.ROW_COLUMNS + num_loops) + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables
         floats = 3 * max_rows
         pin = device.type == "cuda"
-        self._host_ints = torch.zeros(ints, dtype=torch.long, pin_memory=pin)
-        self._host_floats = torch.zeros(floats, dtype=torch.float32, pin_memory=pin)
+        # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
+        # call N+1 writes the next one; a buffer is reused only once its copy completed.
+        self._staging = [(torch.zeros(ints, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(floats, dtype=torch.float32, pin_memory=pin)) for _ in range(STAGING_RING)]
+        self._copied: list[torch.cuda.Event | None] = [None] * STAGING_RING
+        self._turn = 0
         self._ints = torch.zeros(ints, dtype=torch.long, device=device)
         self._floats = torch.zeros(floats, dtype=torch.float32, device=device)
         self.uploads = 0  # host-to-device copies so far (a test counts them per call)
@@ -152,10 +157,27 @@ class ForwardBatchBuilder:
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
         ints = rows.flat() + enter + enter_inc + head_ints + tables
-        dev_ints = self._upload(self._host_ints, self._ints, array.array("q", ints))
-        dev_floats = self._upload(self._host_floats, self._floats, array.array("f", head_floats))
+        host_ints, host_floats = self._take_staging()
+        dev_ints = self._upload(host_ints, self._ints, array.array("q", ints))
+        dev_floats = self._upload(host_floats, self._floats, array.array("f", head_floats))
+        self._release_staging()
         return self._views(plan, first, rows.width, len(enter), heads, len(tables), dev_ints, dev_floats,
                            shapes, host_groups, results)
+
+    def _take_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next staging pair, once the copy that last read it has completed (on CUDA that
+        copy was enqueued STAGING_RING calls ago, so this wait is normally already over)."""
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()
+        return self._staging[self._turn]
+
+    def _release_staging(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
+        self._turn = (self._turn + 1) % STAGING_RING
 
     def _upload(self, host: torch.Tensor, device: torch.Tensor, values: array.array) -> torch.Tensor:
         n = len(values)
