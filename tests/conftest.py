@@ -1,8 +1,11 @@
-"""Shared fixtures: small random checkpoints written in the real Hugging Face layout."""
+"""Shared fixtures: small random checkpoints written in the real Hugging Face layout, and a
+small default KV pool for CPU engines."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,24 @@ from specloop.config import ModelConfig
 TINY = PRESETS["tiny"]  # GQA: 4 query heads over 2 KV heads
 TINY_MHA = dataclasses.replace(TINY, num_key_value_heads=4, num_hidden_layers=3, hidden_size=48,
                                head_dim=12, vocab_size=300)
+# Default KV budget of a CPU engine in tests (the engine's own is 256 MiB, about 0.1 s to
+# allocate and zero per engine). 32 MiB holds the largest request a test makes today (203
+# tokens of the shipped model in fp64: 52 pages of 384 KiB) with room to spare; a test
+# that needs more passes kv_cache_bytes or num_kv_pages itself.
+TEST_CPU_KV_BYTES = 32 << 20
+CPU_KV_ENV = "SPECLOOP_CPU_KV_BYTES"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_cpu_kv_budget() -> Iterator[int]:
+    """Give CPU engines a small default KV pool, which they allocate and zero up front
+    (`specloop.engine.core` reads the variable per engine, so it also reaches the server
+    processes tests start); one already set (to run the suite at another size) is kept."""
+    with pytest.MonkeyPatch.context() as mp:
+        if CPU_KV_ENV not in os.environ:
+            mp.setenv(CPU_KV_ENV, str(TEST_CPU_KV_BYTES))
+        budget = int(os.environ[CPU_KV_ENV])
+        yield budget
 
 
 def make_checkpoint(root: Path, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, **kw) -> Path:

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import specloop
+from specloop import LLM, SamplingParams
 from specloop.assets import default_model_path
 from specloop.checkpoint import load_model, load_tokenizer
 from specloop.checkpoint.safetensors_files import read_header
-from specloop.model.reference import reference_greedy
-from specloop.model.stepper import LoopStepper
+from specloop.model.reference import reference_forward, reference_greedy
 from specloop.training.corpus import split_of, stdlib_root
 from specloop.training.forward import batched_loops, loop_logits
 from specloop.training.objective import per_token_ce
@@ -88,15 +88,22 @@ def test_heldout_loss_stays_below_the_recorded_bound(shipped):
 
 
 def test_greedy_generation_is_deterministic_and_matches_the_reference(shipped):
-    _, model, tok = shipped
+    """Through the engine (alone, then batched with another prompt): the reference's tokens
+    and, to fp32 rounding, the reference's logprobs of them."""
+    folder, model, tok = shipped
     prompt = tok.encode("def fibonacci(n):", add_special_tokens=False)
-    runs = []
-    for _ in range(2):
-        stepper = LoopStepper(model, max_seqs=1, max_len=len(prompt) + 16)
-        runs.append(stepper.greedy(stepper.add_sequence(prompt), 16))
-    assert runs[0] == runs[1]
-    assert runs[0] == reference_greedy(weights_of(model), model.config, prompt, 16)
-    text = tok.decode(runs[0])
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", kv_cache_bytes=16 << 20)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True)
+    alone = llm.generate(prompt, params)[0]
+    batched = llm.generate([tok.encode("import os\n", add_special_tokens=False), prompt], params)[1]
+    assert alone.token_ids == batched.token_ids
+    weights = weights_of(model)
+    assert alone.token_ids == reference_greedy(weights, model.config, prompt, 16)
+    ref = reference_forward(weights, model.config, torch.tensor(prompt + alone.token_ids)).logits
+    want = ref[len(prompt) - 1 : -1].log_softmax(-1).gather(1, torch.tensor(alone.token_ids)[:, None])[:, 0]
+    for run in (alone, batched):
+        torch.testing.assert_close(torch.tensor(run.logprobs), want, atol=2e-5, rtol=1e-5)
+    text = tok.decode(alone.token_ids)
     assert text.startswith("\n    "), f"continuation does not look like a Python function body: {text!r}"
 
 

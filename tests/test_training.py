@@ -1,4 +1,5 @@
-"""The training pieces: corpus split, tokenizer, batched forward vs the reference, objective."""
+"""The training pieces: corpus split, tokenizer, batched forward vs the reference, objective,
+evaluation."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from specloop.model.exit_gate import exit_distribution
 from specloop.model.reference import reference_forward
 from specloop.training.corpus import SPLITS, module_paths, split_of
 from specloop.training.forward import batched_loops, loop_logits
-from specloop.training.objective import exit_log_probs, looped_loss
+from specloop.training.objective import exit_log_probs, looped_loss, per_token_ce
 from specloop.training.recipe import TINY_TEST_MODEL, TrainConfig, init_model
 from specloop.training.token_data import WindowSampler, fixed_windows
 from tests.conftest import weights_of
@@ -146,6 +147,40 @@ def test_gate_optimum_prefers_the_cheapest_loop():
         opt.step()
     p = exit_log_probs(z.detach()).exp()[:, 0]
     assert int(p.argmax()) == 2
+
+
+# --- evaluation -----------------------------------------------------------------------
+
+def test_evaluation_numbers_equal_the_reference(tiny_ckpt):
+    """Per-loop CE, top-1 agreement and adaptive-exit depth as computed from the reference's
+    per-loop logits of each window; samples are the reference's greedy continuation."""
+    from specloop.model.reference import reference_greedy
+    from specloop.training.evaluate import greedy_samples, score_windows
+
+    model, _ = load_model(tiny_ckpt, dtype=torch.float64)
+    windows = _batch(model.config.vocab_size, 3, 29, seed=6)
+    got = score_windows(model, windows, thresholds=(0.6,), batch=2)
+    weights = weights_of(model)
+    ce, agree, depth = torch.zeros(4, dtype=torch.float64), torch.zeros(4), 0.0
+    for w in windows:
+        ref = reference_forward(weights, model.config, w, exit_threshold=1.0)
+        logits = ref.loop_logits[:, :-1]
+        ce += torch.stack([per_token_ce(logits[r], w[1:]).double().sum() for r in range(4)])
+        agree += (logits.argmax(-1) == logits[-1].argmax(-1)).sum(-1)
+        depth += float(reference_forward(weights, model.config, w, exit_threshold=0.6).exit_loops[:-1].sum())
+    count = windows[:, 1:].numel()
+    assert got["tokens_scored"] == count
+    for r, row in enumerate(got["loops"]):
+        assert row["ce"] == pytest.approx(float(ce[r]) / count, rel=1e-9)
+        assert row["top1_agree_with_loop4"] == pytest.approx(float(agree[r]) / count, rel=1e-12)
+    assert got["adaptive_exit"][0]["mean_exit_loop"] == pytest.approx(depth / count, rel=1e-12)
+    assert 1.0 < depth / count < 4.0, "the case must exercise early exit"
+
+    tok = load_tokenizer(tiny_ckpt)
+    [sample] = greedy_samples(model, tok, ["def f(x):"], 6)
+    ids = reference_greedy(weights, model.config, tok.encode("def f(x):", add_special_tokens=False), 6, 1.0)
+    ids = ids[: ids.index(0)] if 0 in ids else ids
+    assert sample == {"prompt": "def f(x):", "continuation": tok.decode(ids)}
 
 
 # --- data and a smoke run -------------------------------------------------------------

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 from typing import Any
 
 import torch
@@ -43,7 +44,8 @@ from specloop.scheduling.request import Request, RequestOutput, Status
 from specloop.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-CPU_KV_BYTES = 256 << 20  # default KV budget on CPU (tests create many engines)
+CPU_KV_BYTES = 256 << 20  # default KV budget on CPU; SPECLOOP_CPU_KV_BYTES overrides it (tests: 32 MiB)
+CPU_KV_ENV = "SPECLOOP_CPU_KV_BYTES"
 CUDA_ACTIVATION_RESERVE = 4 << 30  # bytes of free GPU memory kept out of the KV pool
 PROMPT_CHARS_SLACK = 2  # margin on the character bound of a prompt that cannot fit (`check_prompt_chars`)
 
@@ -130,7 +132,7 @@ class EngineCore:
             # H200 than this one; allocator retries are the suspected cause, not profiled).
             budget = int(free * cfg.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE
         else:
-            budget = CPU_KV_BYTES
+            budget = _cpu_kv_bytes()
         pages = budget // page_bytes
         if pages < 1:
             raise SpecloopError(f"the KV budget of {budget} bytes holds no page of {page_bytes} bytes")
@@ -335,6 +337,16 @@ class EngineCore:
             outputs.extend(self.step())
         return outputs
 
+
+
+def _cpu_kv_bytes() -> int:
+    """The default KV budget on CPU: $SPECLOOP_CPU_KV_BYTES, else CPU_KV_BYTES (read per engine)."""
+    text = os.environ.get(CPU_KV_ENV)
+    if text is None:
+        return CPU_KV_BYTES
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{CPU_KV_ENV} must be a positive number of bytes, got {text!r}")
+    return int(text)
 
 
 def _speculation(config: EngineConfig, num_loops: int) -> RoundController | TokenPipeline | None:

@@ -12,7 +12,9 @@ Measured on non-overlapping windows of the held-out stream, each scored from pos
 - adaptive exit at a few thresholds q: the mean exit loop, perplexity at the exit loop,
   and agreement with full depth, with LAST_EXITED semantics (exact, as the runtime).
 
-It also records greedy continuations of a few prompts, decoded by the runtime's stepper.
+It also records greedy continuations of a few prompts, decoded by the dense reference
+(`specloop.model.reference.reference_greedy`, every loop, q = 1.0), which the engine's
+greedy tokens are tested to equal.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from specloop.checkpoint import load_model, load_tokenizer
 from specloop.model.ouro import OuroModel
-from specloop.model.stepper import LoopStepper
+from specloop.model.reference import reference_greedy
 from specloop.training.forward import batched_loops, loop_logits
 from specloop.training.objective import per_token_ce
 from specloop.training.token_data import fixed_windows
@@ -95,13 +97,14 @@ def score_windows(
 
 @torch.no_grad()
 def greedy_samples(model: OuroModel, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int) -> list[dict]:
-    """Greedy continuations through the runtime's loop stepper (every loop, q = 1.0)."""
+    """Greedy continuations by the dense reference (every loop, q = 1.0), cut at the first
+    end-of-text. Full recomputation per token is cheap at this size and keeps training
+    independent of the serving engine."""
+    weights = {name: p.detach() for name, p in model.named_parameters()}
     samples = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        stepper = LoopStepper(model, max_seqs=1, max_len=len(ids) + max_new_tokens, exit_threshold=1.0)
-        seq = stepper.add_sequence(ids)
-        out = stepper.greedy(seq, max_new_tokens)
+        out = reference_greedy(weights, model.config, ids, max_new_tokens, exit_threshold=1.0)
         if 0 in out:
             out = out[: out.index(0)]
         samples.append({"prompt": prompt, "continuation": tokenizer.decode(out)})
