@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specloop.checkpoint import load_model
+# Kernel tests run everywhere: without CUDA, Triton's interpreter runs them on CPU tensors
+# (set before any kernel module is imported, which is when Triton reads it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specloop.checkpoint import load_model  # noqa: E402
 from specloop.checkpoint.random_checkpoint import PRESETS, write_random_checkpoint
 from specloop.config import ModelConfig
 
