@@ -70,11 +70,18 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig, model: OuroModel | None = None, tokenizer: Any = None,
                  verifier: Verifier | None = None) -> None:
-        """`model` / `tokenizer`: already loaded from `config.model` (benchmarks reuse them);
+        """`model` / `tokenizer`: already loaded from `config.model` (benchmarks reuse them; a
+        model passed in is served as given, fused or not, while one loaded here is fused);
         `verifier`: decides speculation's verifications (benchmarks inject a replay)."""
         self.config = config
         device = torch.device(_resolve_device(config.device))
-        self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=device)[0]
+        if model is None:
+            # One matmul for q/k/v and one for gate/up per layer; a model passed in is left as
+            # given, since its caller may still read it by checkpoint names (the reference).
+            model = load_model(config.model, dtype=config.dtype, device=device)[0].fuse_projections()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the parts' freed blocks back before the KV budget is read
+        self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         mcfg = self.model.config
         self.stop_ids = frozenset(stop_token_ids(mcfg, self.tokenizer))

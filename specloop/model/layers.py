@@ -65,7 +65,24 @@ class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+@torch.no_grad()
+def _fuse_linears(*parts: nn.Linear) -> nn.Linear:
+    """One bias-free Linear whose weight rows are the parts' rows, in order.
+
+    The fused module is built on the meta device (no throwaway init) and takes the
+    concatenated weight; the caller drops the parts, so memory peaks at one fused matrix
+    above the model's size, never at two copies of the model."""
+    assert all(p.bias is None for p in parts), "only bias-free projections are fused"
+    weight = torch.cat([p.weight for p in parts])
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    fused.weight = nn.Parameter(weight, requires_grad=parts[0].weight.requires_grad)
+    return fused
+
+
 class SelfAttention(nn.Module):
+    """q/k/v_proj as in the checkpoint, or after `fuse()` one qkv_proj (serving)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -75,29 +92,65 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.fused = False
+        kv = self.num_kv_heads * self.head_dim
+        self._qkv_sizes = (self.num_heads * self.head_dim, kv, kv)
+
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one qkv_proj [(Hq + 2 Hkv) D, H], rows in q, k, v order, and
+        drop the parts: one matmul instead of three (fewer kernel launches on a host-bound
+        forward, one read of x and of one weight matrix). A second call does nothing."""
+        if self.fused:
+            return
+        self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.fused = True
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         backend: AttentionBackend, layer: int,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            # Views into one [N, (Hq + 2 Hkv) D] output: rows strided, head dim contiguous.
+            q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.attend(layer, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
+    """gate/up_proj as in the checkpoint, or after `fuse()` one gate_up_proj (serving)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = False
+        self._intermediate = cfg.intermediate_size
+
+    def fuse(self) -> None:
+        """Replace gate/up_proj by one gate_up_proj [2 I, H] (gate rows first) and drop the
+        parts: one matmul instead of two, for the same reasons as `SelfAttention.fuse`.
+        A second call does nothing."""
+        if self.fused:
+            return
+        self.gate_up_proj = _fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).split(self._intermediate, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class OuroLayer(nn.Module):

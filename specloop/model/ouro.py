@@ -3,7 +3,8 @@
 A forward call of the runtime is one `loop` over a set of rows (token, depth); the layer
 stack is shared by every depth, so rows at different depths share every weight read.
 Parameter names match the Hugging Face checkpoint exactly (`model.layers.{i}...`,
-`lm_head.weight`), so loading is a name-for-name assignment.
+`lm_head.weight`), so loading is a name-for-name assignment. Serving then calls
+`fuse_projections()`, which trades those names for fewer, wider matrices.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ class OuroModel(nn.Module):
         self.model = OuroBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def fuse_projections(self) -> OuroModel:
+        """Fuse every layer's q/k/v and gate/up matrices in place (see `SelfAttention.fuse`)
+        and return the model. Serving only: the state dict no longer has the checkpoint's
+        names, so training, export and the reference use unfused models. Idempotent."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    @property
+    def fused(self) -> bool:
+        return all(layer.self_attn.fused and layer.mlp.fused for layer in self.model.layers)
 
     @property
     def dtype(self) -> torch.dtype:
