@@ -58,9 +58,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--attention-backend", default="auto")
     args = p.parse_args()
     engine = EngineCore(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_num_seqs=64,
-                                     max_num_batched_tokens=2048,
+                                     max_num_batched_tokens=2048, attention_backend=args.attention_backend,
                                      gpu_memory_utilization=args.gpu_memory_utilization))
     cfg = engine.model.config
     vocab, loops = cfg.vocab_size, cfg.num_loops

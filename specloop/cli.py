@@ -97,7 +97,8 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "speculation": (str, "none, block (self-speculation rounds) or pipeline (token pipelines)"),
     "draft_loops": (int, "draft depth d for speculation (1..loops-1)"),
     "num_speculative_tokens": (int, "candidates drafted per speculation round"),
-    "attention_backend": (str, "auto or torch (the readable reference); auto logs what it chose"),
+    "attention_backend": (str, "auto (triton on CUDA, torch on CPU), torch (the readable reference) or triton; "
+                          "the engine logs what it chose"),
 }
 # What an unset option means where EngineConfig's default is None (no value to show).
 UNSET_MEANS = {

@@ -13,7 +13,7 @@ from typing import Any
 from specloop.errors import ConfigError
 
 SPECULATION_MODES = ("none", "block", "pipeline")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class EngineConfig:
     speculation: str = "none"  # none | block (self-speculation rounds) | pipeline (token pipelines)
     draft_loops: int = 2  # draft depth d: loops 1..d draft, d+1..R verify
     num_speculative_tokens: int = 4  # k: candidates drafted per round
-    attention_backend: str = "auto"  # auto | torch (the readable reference)
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

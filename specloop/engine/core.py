@@ -112,9 +112,11 @@ class EngineCore:
                                    adaptive_exit=threshold < 1.0, speculation=speculation)
         kv = PagedKV(mcfg.num_hidden_layers, num_pages, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim,
                      self.model.dtype, device)
-        self.backend = make_backend(config.attention_backend, kv, device)
+        self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
+                                    mcfg.num_key_value_heads)
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
-                                      -(-self.max_model_len // config.block_size), config.block_size, device)
+                                      -(-self.max_model_len // config.block_size), config.block_size, device,
+                                      tile_rows=self.backend.tile_rows)
         self.executor = Executor(Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs,
                                         threshold, config.seed, heads))
         self.metrics = SpeculationMetrics(max(speculation.draft_width if speculation else 0, 1))

@@ -9,28 +9,34 @@ and attends causally to that plane of its request over positions [0, position].
 
 `TorchAttention` is the readable reference (the oracle for faster backends): single-row
 groups (decodes, rows [0, G1) of the batch) attend in one padded gather; every other group
-(prompt chunks, verifications) runs scaled-dot-product attention over its own keys. All
-sizes come from the batch's host-side shapes: nothing is read back from the device.
+(prompt chunks, verifications) runs scaled-dot-product attention over its own keys.
+`TritonAttention` is the fast path: one launch of the paged attention kernel
+(`specloop.kernels.paged_attention`) per layer over the batch's query tiles, split-KV when
+there are too few tiles to fill the GPU. All sizes come from the batch's host-side shapes:
+nothing is read back from the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Protocol
 
 import torch
 from torch.nn import functional as F
 
 from specloop.errors import ConfigError
+from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention
 from specloop.runtime.forward_batch import ForwardBatch
 from specloop.runtime.kv_format import PagedKV
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
     name: str
     kv: PagedKV
+    tile_rows: tuple[int, int] | None  # query-tile sizes it wants in the forward batch
 
     def build(self, batch: ForwardBatch, keep: torch.Tensor | None) -> Any: ...
 
@@ -67,6 +73,7 @@ class TorchMeta:
 
 class TorchAttention:
     name = "torch"
+    tile_rows = None
 
     def __init__(self, kv: PagedKV) -> None:
         self.kv = kv
@@ -103,11 +110,62 @@ class TorchAttention:
         return out
 
 
-def make_backend(name: str, kv: PagedKV, device: torch.device) -> AttentionBackend:
-    """The backend `name` asks for; "auto" picks the fastest that runs here (today: torch)."""
+@dataclasses.dataclass
+class TritonMeta:
+    write_slots: torch.Tensor
+    keep: torch.Tensor | None
+    tables: torch.Tensor
+    positions: torch.Tensor
+    tiles: torch.Tensor
+    tile_rows: int
+    num_splits: int
+
+
+class TritonAttention:
+    """Paged attention in one Triton launch per layer (plus a combine when split).
+
+    Tile sizes keep the kernel's M dimension (tile rows x padded GQA group) at 16 for
+    decodes and verifications, where the kernel is bandwidth-bound, and at 64 for prompt
+    chunks, where it is compute-bound and larger tiles reuse each key tile more."""
+
+    name = "triton"
+    SMALL_M, LARGE_M = 16, 64
+
+    def __init__(self, kv: PagedKV, num_heads: int, num_kv_heads: int, device: torch.device) -> None:
+        self.kv = kv
+        self.num_kv_heads = num_kv_heads
+        g = block_g(num_heads, num_kv_heads)
+        self.tile_rows = (max(1, self.SMALL_M // g), max(1, self.LARGE_M // g))
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    def build(self, batch: ForwardBatch, keep: torch.Tensor | None) -> TritonMeta:
+        assert batch.tiles is not None, "the forward batch was built without query tiles"
+        num_tiles = batch.tiles.shape[0]
+        longest = max((s.context for s in batch.groups), default=0)
+        splits = choose_splits(num_tiles, self.num_kv_heads, longest, self.num_sms)
+        return TritonMeta(batch.write_slots, keep, batch.tables, batch.positions, batch.tiles, batch.tile_rows, splits)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
+        self.kv.write(layer, meta.write_slots, k, v, meta.keep)
+        out, _ = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, meta.tiles,
+                                 self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits)
+        return out
+
+
+def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int,
+                 num_kv_heads: int) -> AttentionBackend:
+    """The backend `name` asks for; "auto" picks Triton on CUDA and the torch reference on
+    CPU (there Triton runs only under its interpreter, one program at a time)."""
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    return TorchAttention(kv)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention(kv)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU, "
+                          "for tests: slow)")
+    return TritonAttention(kv, num_heads, num_kv_heads, device)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -13,7 +13,11 @@ CUDA graph needs). Views into the device buffer, by segment:
   draft's last row, a verification's first), the request cell, the result row it fills
   on the host (-1: none), one integer of its own (draft buffer entry, k, candidate entry),
   and the sampling parameters (top_k; temperature, top_p, min_p as fp32);
-- tables [T]: page tables, one per (request cell, plane) in the plan.
+- tables [T]: page tables, one per (request cell, plane) in the plan;
+- query tiles [M, 3], when the backend asks for them: (first row, rows, table offset) for
+  runs of at most `tile_rows` rows of one group (what the Triton attention kernel launches
+  over); `tile_rows` is the backend's small size when every group fits in it (decodes,
+  verifications), its large size otherwise (prompt chunks).
 
 KV slots are computed on the device from page tables and positions: slot = page *
 page_size + position % page_size. Host-side summaries (row counts, group shapes, head
@@ -27,6 +31,7 @@ import dataclasses
 
 import torch
 
+from specloop.kernels.paged_attention import TILE_COLUMNS, query_tiles
 from specloop.plan import Draft, Plan, RowGroup, Sample, Verify, VerifyCandidate
 
 HEAD_TYPES = (Sample, Draft, Verify, VerifyCandidate)  # the order heads run in: drafts before the
@@ -87,6 +92,8 @@ class ForwardBatch:
     heads: dict[type, HeadSegment]
     host_groups: list[RowGroup]  # groups with a host result, in result order
     page_size: int
+    tiles: torch.Tensor | None = None  # [M, 3] long: query tiles, when the builder cuts them
+    tile_rows: int = 0  # the most rows of any tile
 
     def segment(self, kind: type) -> HeadSegment | None:
         return self.heads.get(kind)
@@ -98,13 +105,16 @@ class ForwardBatchBuilder:
     ROW_COLUMNS = 6  # position, depth, cell, slot, token, table
 
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, tile_rows: tuple[int, int] | None = None) -> None:
+        """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles."""
         self.num_loops = num_loops
+        self.tile_rows = tile_rows
         self.page_size = page_size
         self.device = device
         self.max_rows = max_rows
         self.max_tables = max_seqs * num_loops * max_pages_per_seq
-        ints = max_rows * (self.ROW_COLUMNS + num_loops) + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables
+        ints = (max_rows * (self.ROW_COLUMNS + num_loops) + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables
+                + TILE_COLUMNS * max_rows)  # every tile holds at least one row
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -156,13 +166,26 @@ class ForwardBatchBuilder:
                 heads.append((kind, row, group))
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
-        ints = rows.flat() + enter + enter_inc + head_ints + tables
+        tiles, tile_rows = self._tiles(shapes)
+        ints = rows.flat() + enter + enter_inc + head_ints + tables + tiles
         host_ints, host_floats = self._take_staging()
         dev_ints = self._upload(host_ints, self._ints, array.array("q", ints))
         dev_floats = self._upload(host_floats, self._floats, array.array("f", head_floats))
         self._release_staging()
-        return self._views(plan, first, rows.width, len(enter), heads, len(tables), dev_ints, dev_floats,
-                           shapes, host_groups, results)
+        batch = self._views(plan, first, rows.width, len(enter), heads, len(tables), dev_ints, dev_floats,
+                            shapes, host_groups, results)
+        if self.tile_rows is not None:
+            at = len(ints) - len(tiles)
+            batch.tiles = dev_ints[at: len(ints)].view(-1, TILE_COLUMNS)
+            batch.tile_rows = tile_rows
+        return batch
+
+    def _tiles(self, shapes: list[GroupShape]) -> tuple[list[int], int]:
+        if self.tile_rows is None:
+            return [], 0
+        small, large = self.tile_rows
+        size = small if max((s.rows for s in shapes), default=0) <= small else large
+        return query_tiles([(s.first, s.rows, s.table) for s in shapes], size), size
 
     def _take_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next staging pair, once the copy that last read it has completed (on CUDA that
