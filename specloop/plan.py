@@ -2,9 +2,13 @@
 into one forward batch.
 
 Rows come in groups: a group is a contiguous position range [start, end) of one request
-at one depth. Every row of a group writes its K/V into the group's depth plane and attends
-causally to that plane of its request over positions [0, position]. A group ends in a
-head, one of:
+that runs `loops` consecutive loops from `depth` (depths depth .. depth + loops - 1) in the
+call. At each of those depths every row writes its K/V into that depth's plane and
+attends causally to the plane over positions [0, position]. Multi-loop groups are how
+the CPU prepares one plan per token (a plain decode token runs loops 1..R in one call, a
+verification d+1..R); groups of one loop return to the scheduler after each loop (a
+wavefront prefill, a token pipeline). A group ends in a head, run after its last loop,
+one of:
 
 - `None`: the rows only advance (a prompt chunk, a token between loops);
 - `Sample`: the head runs on the last row and samples the request's next token, which
@@ -73,13 +77,25 @@ class RowGroup:
     token_ids: list[int] | None  # depth 0: prompt ids for [start, end); None: the request cell
     token_slots: list[int]  # token slot of each row
     page_table: list[int]  # pages of this depth's plane covering [0, end)
-    deeper_tables: list[list[int]] = dataclasses.field(default_factory=list)  # with adaptive exit only:
-    # the pages of planes depth+1.. covering [start, end), where an exiting token's K/V is inherited
+    deeper_tables: list[list[int]] = dataclasses.field(default_factory=list)  # the pages of planes
+    # depth+1.. covering [0, end): those its later loops write and read (loops > 1) and, with
+    # adaptive exit, every deeper plane (where an exiting token's K/V is inherited)
     head: Head = None
+    loops: int = 1  # consecutive loops the rows run in this call
 
     @property
     def num_rows(self) -> int:
         return self.end - self.start
+
+    @property
+    def last_depth(self) -> int:
+        """The depth of the group's last loop (where its head reads the rows)."""
+        return self.depth + self.loops - 1
+
+    @property
+    def cost(self) -> int:
+        """Row-loops: what the group spends of a plan's budget."""
+        return self.num_rows * self.loops
 
 
 @dataclasses.dataclass

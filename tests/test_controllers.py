@@ -27,17 +27,20 @@ class FakeBuilder:
 
     def __init__(self, frontiers: list[int] | None = None) -> None:
         self.asked: list[tuple[int, int, int, object]] = []
+        self.loops: list[int] = []  # loops of each group asked for
         self.entries: list[tuple[int, int]] = []
         self.frontiers = frontiers or [0] * R
         self._next_slot = 100
+        self.max_loops = R
 
-    def group(self, req, depth, start, end, *, head=None, slots=None, token_ids=None) -> RowGroup:
+    def group(self, req, depth, start, end, *, head=None, slots=None, token_ids=None, loops=1) -> RowGroup:
         if depth == 0:
             taken = slots if slots is not None else self.take_slots(end - start)
             req.token_slots.update(zip(range(start, end), taken))
         self.asked.append((depth, start, end, head))
+        self.loops.append(loops)
         return RowGroup(req.request_id, req.incarnation, req.arrival, 0, depth, start, end, token_ids,
-                        [req.token_slots.get(p, -1) for p in range(start, end)], [], head=head)
+                        [req.token_slots.get(p, -1) for p in range(start, end)], [], head=head, loops=loops)
 
     def take_slots(self, n):
         slots = list(range(self._next_slot, self._next_slot + n))
@@ -81,26 +84,49 @@ def test_dense_hands_over_to_speculation_after_the_first_sample():
     assert req.speculating and req.round.base == 3 and req.num_tokens == 3
 
 
-def _drive_round(rounds: RoundController, req: Request, builder: FakeBuilder) -> list[tuple]:
+def _drive_round(rounds: RoundController, req: Request, builder: FakeBuilder, budget: int = 100) -> list[tuple]:
     """Plan until the verification is submitted; the groups asked for, as (depth, start, end, head)."""
     while not (req.round.submitted):
-        rounds.plan(req, budget=100, builder=builder)
+        rounds.plan(req, budget=budget, builder=builder)
     return builder.asked
 
 
 def test_round_drafts_row_by_row_then_verifies_every_row_at_full_depth():
+    """With budget, each draft row runs loops 1..d in one call and the verification d+1..R."""
     rounds = RoundController(R, draft_loops=2, num_speculative_tokens=2)
     req = _request(prompt_len=5)
     req.produced = 1
     rounds.start(req, base=5)
-    asked = _drive_round(rounds, req, FakeBuilder())
+    builder = FakeBuilder()
+    asked = _drive_round(rounds, req, builder)
     p = req.params
-    assert asked == [
+    assert asked == [(0, 5, 6, Draft(p, 0)), (0, 6, 7, Draft(p, 1)), (0, 7, 8, None), (2, 5, 8, Verify(p, 1, 2))]
+    assert builder.loops == [2, 2, 2, 2]
+
+
+def test_round_goes_a_loop_at_a_time_on_a_small_budget():
+    rounds = RoundController(R, draft_loops=2, num_speculative_tokens=2)
+    req = _request(prompt_len=5)
+    req.produced = 1
+    rounds.start(req, base=5)
+    builder = FakeBuilder()
+    asked = _drive_round(rounds, req, builder, budget=3)  # a draft row fits 2 loops, the 3 verify rows 1
+    p = req.params
+    assert asked == [(0, 5, 6, Draft(p, 0)), (0, 6, 7, Draft(p, 1)), (0, 7, 8, None),
+                     (2, 5, 8, None), (3, 5, 8, Verify(p, 1, 2))]
+    assert builder.loops == [2, 2, 2, 1, 1]
+    req = _request(prompt_len=5)
+    req.produced = 1
+    rounds.start(req, base=5)
+    builder = FakeBuilder()
+    for _ in range(7):
+        rounds.plan(req, budget=1, builder=builder)  # one loop per call; the 3 verify rows do not fit
+    assert builder.asked == [
         (0, 5, 6, None), (1, 5, 6, Draft(p, 0)),  # t0 runs loops 1-2, drafts c1
         (0, 6, 7, None), (1, 6, 7, Draft(p, 1)),  # c1 drafts c2
         (0, 7, 8, None), (1, 7, 8, None),  # c2 runs the draft loops (its KV is needed), drafts nothing
-        (2, 5, 8, None), (3, 5, 8, Verify(p, 1, 2)),  # the 3 rows verify at loops 3-4
     ]
+    assert _drive_round(rounds, req, builder, budget=3)[6:] == [(2, 5, 8, None), (3, 5, 8, Verify(p, 1, 2))]
 
 
 def test_round_guess_kept_when_all_pass_and_rolled_back_when_not():

@@ -31,7 +31,7 @@ def test_one_upload_per_kind_and_device_kv_slots(tiny_ckpt, monkeypatch, mode, t
     runner, kv = engine.executor.runner, engine.kv
     builder = runner.batches
     keys = {}  # request id -> kv key, for the host reference
-    counts = {"tensor": 0, "calls": 0, "rows": 0, "max_uploads": 0}
+    counts = {"tensor": 0, "calls": 0, "rows": 0, "max_uploads": 0, "multi": 0}
     real_tensor, real_as_tensor = torch.tensor, torch.as_tensor
 
     def counting(fn):
@@ -44,22 +44,27 @@ def test_one_upload_per_kind_and_device_kv_slots(tiny_ckpt, monkeypatch, mode, t
 
     def checked_build(plan):
         batch = real_build(plan)
-        ordered = sorted(plan.groups, key=lambda g: g.num_rows > 1)
-        for group, shape in zip(ordered, batch.groups):
-            key = keys[group.request_id]
-            rows = slice(shape.first, shape.first + shape.rows)
-            positions = list(range(group.start, group.end))
-            assert batch.positions[rows].tolist() == positions
-            assert batch.depths[rows].tolist() == [group.depth] * group.num_rows
-            assert batch.cells[rows].tolist() == [group.cell] * group.num_rows
-            assert batch.token_slots[rows].tolist() == group.token_slots
-            assert batch.write_slots[rows].tolist() == [kv.slot(key, group.depth, p) for p in positions]
-            if plan.adaptive_exit:
-                for plane in range(group.depth + 1, 4):
-                    want = [kv.slot(key, plane, p) for p in positions]
-                    assert batch.deeper_slots[rows, plane].tolist() == want
-                assert (batch.deeper_slots[rows, : group.depth + 1] == -1).all()
-            counts["rows"] += group.num_rows
+        ordered = sorted(plan.groups, key=lambda g: (-g.loops, g.num_rows > 1))
+        assert len(batch.passes) == max(g.loops for g in plan.groups)
+        for p, lp in enumerate(batch.passes):
+            members = [g for g in ordered if g.loops > p]  # the pass's rows are a prefix
+            assert lp.num_rows == sum(g.num_rows for g in members)
+            for group, shape in zip(members, lp.groups, strict=True):
+                key = keys[group.request_id]
+                rows = slice(shape.first, shape.first + shape.rows)
+                positions = list(range(group.start, group.end))
+                assert lp.positions[rows].tolist() == positions
+                assert lp.depths[rows].tolist() == [group.depth + p] * group.num_rows
+                assert batch.cells[rows].tolist() == [group.cell] * group.num_rows
+                assert batch.token_slots[rows].tolist() == group.token_slots
+                assert lp.write_slots[rows].tolist() == [kv.slot(key, group.depth + p, q) for q in positions]
+                if plan.adaptive_exit:
+                    for plane in range(group.depth + 1, 4):
+                        want = [kv.slot(key, plane, q) for q in positions]
+                        assert lp.deeper_slots[rows, plane].tolist() == want
+                    assert (lp.deeper_slots[rows, : group.depth + 1] == -1).all()
+                counts["rows"] += group.num_rows
+                counts["multi"] += p > 0
         for kind, segment in batch.heads.items():
             for i, group in enumerate(segment.groups):
                 assert type(group.head) is kind
@@ -95,6 +100,8 @@ def test_one_upload_per_kind_and_device_kv_slots(tiny_ckpt, monkeypatch, mode, t
     outputs = engine.drain()
     assert sum(len(o.token_ids) for o in outputs) == 48
     assert counts["calls"] > 10 and counts["rows"] > 100
+    if mode.get("speculation") != "pipeline":  # decode tokens, draft rows (d > 1) and verifications
+        assert counts["multi"] > 0, "no multi-loop group was planned"
     assert counts["tensor"] == 0, "the forward path made tensors from Python data"
     assert 1 <= counts["max_uploads"] <= 2
 

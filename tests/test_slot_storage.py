@@ -55,7 +55,7 @@ def test_slot_state_follows_every_plan(tiny_ckpt, spec):
                     checked["entered_from_device"] += g.token_ids is None
                     assert store.candidate[slot].item() == want
                 assert owner[key] == slot, f"{key} moved from slot {owner[key]} to {slot}"
-                assert store.depth[slot].item() == g.depth + 1
+                assert store.depth[slot].item() == g.last_depth + 1
                 assert store.incarnation[slot].item() == g.incarnation
                 checked["rows"] += 1
         return out

@@ -5,7 +5,8 @@ the device next-token cell. Draft: t0 runs loops 1..d and the head drafts c1; c1
 loops 1..d and drafts c2; ... up to ck, which also runs loops 1..d (its shallow state and
 KV are needed for verification). Verify: the k+1 rows t0, c1..ck run loops d+1..R
 together, reusing the drafts' shallow hidden states and KV unchanged, and the head at full
-depth checks every candidate. The verification returns the accepted count n and the
+depth checks every candidate. Each draft row and the verification are one multi-loop
+group (one call each) when the budget allows; otherwise they go on a loop at a time. The verification returns the accepted count n and the
 tokens c1..cn plus one correction (or bonus) token, which is the next round's t0.
 
 The CPU does not wait for the verification: while it is in flight, the next round is
@@ -85,14 +86,15 @@ class RoundController:
             return []
         if not rnd.verifying:
             return self._draft_row(req, rnd, budget, builder)
-        if budget < rnd.num_rows or rnd.guessed:  # a guessed round verifies only once confirmed
+        loops = min(self.num_loops - rnd.depth, budget // rnd.num_rows, builder.max_loops)
+        if loops < 1 or rnd.guessed:  # a guessed round verifies only once confirmed
             return []
         head = None
-        if rnd.depth == self.num_loops - 1:
+        if rnd.depth + loops == self.num_loops:
             head = Verify(req.params, req.produced, rnd.k)
             rnd.submitted = True
-        group = builder.group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, head=head)
-        rnd.depth += 1
+        group = builder.group(req, rnd.depth, rnd.base, rnd.base + rnd.num_rows, head=head, loops=loops)
+        rnd.depth += loops
         return [group]
 
     def _draft_row(self, req: Request, rnd: Round, budget: int, builder: GroupBuilder) -> list[RowGroup]:
@@ -102,13 +104,14 @@ class RoundController:
         if budget < 1 or rnd.slots is None:
             return []
         pos = rnd.base + rnd.row
+        loops = min(self.draft_loops - rnd.depth, budget, builder.max_loops)
         entering = rnd.slots[:1] if rnd.depth == 0 else None
         known = [rnd.token] if rnd.row == 0 and rnd.depth == 0 and rnd.token is not None else None
-        head = Draft(req.params, rnd.row) if rnd.depth == self.draft_loops - 1 and rnd.row < rnd.k else None
-        group = builder.group(req, rnd.depth, pos, pos + 1, head=head, slots=entering, token_ids=known)
+        head = Draft(req.params, rnd.row) if rnd.depth + loops == self.draft_loops and rnd.row < rnd.k else None
+        group = builder.group(req, rnd.depth, pos, pos + 1, head=head, slots=entering, token_ids=known, loops=loops)
         if entering:  # the row holds its slot now (popped only once planned, so a failure cannot lose it)
             rnd.slots.pop(0)
-        rnd.depth += 1
+        rnd.depth += loops
         if rnd.depth == self.draft_loops:
             rnd.row, rnd.depth = rnd.row + 1, 0
             if rnd.row > rnd.k:

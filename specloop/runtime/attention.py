@@ -1,14 +1,14 @@
 """Attention backends: each builds its own metadata from the forward batch, then attends.
 
-    meta = backend.build(batch, keep)           # once per forward call
+    meta = backend.build(loop_pass, keep)       # once per loop pass of a forward call
     out = backend.attend(layer, q, k, v, meta)  # per layer: store the rows' K/V, attend
 
 The model only sees `bind(meta)`, an object with `attend(layer, q, k, v)`. Every row
 writes its K/V into its own depth plane (rows whose token exited keep the stored value)
 and attends causally to that plane of its request over positions [0, position].
 
-`TorchAttention` is the readable reference (the oracle for faster backends): single-row
-groups (decodes, rows [0, G1) of the batch) attend in one padded gather; every other group
+`TorchAttention` is the readable reference (the oracle for faster backends): each run of
+consecutive single-row groups (decodes) attends in one padded gather; every other group
 (prompt chunks, verifications) runs scaled-dot-product attention over its own keys.
 `TritonAttention` is the fast path: one launch of the paged attention kernel
 (`specloop.kernels.paged_attention`) per layer over the batch's query tiles, split-KV when
@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from specloop.errors import ConfigError
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention
-from specloop.runtime.forward_batch import ForwardBatch
+from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
 
 BACKENDS = ("auto", "torch", "triton")
@@ -38,7 +38,7 @@ class AttentionBackend(Protocol):
     kv: PagedKV
     tile_rows: tuple[int, int] | None  # query-tile sizes it wants in the forward batch
 
-    def build(self, batch: ForwardBatch, keep: torch.Tensor | None) -> Any: ...
+    def build(self, lp: LoopPass, keep: torch.Tensor | None) -> Any: ...
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor: ...
 
@@ -62,12 +62,17 @@ class _Group:
 
 
 @dataclasses.dataclass
+class _Singles:
+    rows: slice  # a run of consecutive single-row groups (decodes)
+    key_slots: torch.Tensor  # [G, Lmax] KV slots
+    valid: torch.Tensor  # [G, Lmax]
+
+
+@dataclasses.dataclass
 class TorchMeta:
     write_slots: torch.Tensor
     keep: torch.Tensor | None
-    num_single: int
-    single_keys: torch.Tensor | None  # [G1, Lmax] KV slots
-    single_valid: torch.Tensor | None  # [G1, Lmax]
+    singles: list[_Singles]
     groups: list[_Group]
 
 
@@ -78,36 +83,50 @@ class TorchAttention:
     def __init__(self, kv: PagedKV) -> None:
         self.kv = kv
 
-    def build(self, batch: ForwardBatch, keep: torch.Tensor | None) -> TorchMeta:
-        device, bs = batch.positions.device, batch.page_size
-        g1 = batch.num_single
-        single_keys = single_valid = None
-        if g1:
-            width = max(s.context for s in batch.groups[:g1])
+    def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TorchMeta:
+        device, bs = lp.positions.device, lp.page_size
+        singles, groups = [], []
+        for run in _single_runs(lp.groups):
+            width = max(s.context for s in lp.groups[run])
+            first, last = lp.groups[run.start].first, lp.groups[run.stop - 1].first + 1
             span = torch.arange(width, device=device)
-            positions = batch.positions[:g1]
-            index = (batch.table_offsets[:g1, None] + span[None, :] // bs).clamp(max=batch.tables.numel() - 1)
-            single_keys = batch.tables[index] * bs + span[None, :] % bs  # padding reads are masked below
-            single_valid = span[None, :] <= positions[:, None]
-        groups = []
-        for shape in batch.groups[g1:]:
+            positions = lp.positions[first:last]
+            index = (lp.table_offsets[first:last, None] + span[None, :] // bs).clamp(max=lp.tables.numel() - 1)
+            keys = lp.tables[index] * bs + span[None, :] % bs  # padding reads are masked below
+            singles.append(_Singles(slice(first, last), keys, span[None, :] <= positions[:, None]))
+        for shape in lp.groups:
+            if shape.rows == 1:
+                continue
             span = torch.arange(shape.context, device=device)
-            keys = batch.tables[shape.table + span // bs] * bs + span % bs
-            queries = batch.positions[shape.first: shape.first + shape.rows]
+            keys = lp.tables[shape.table + span // bs] * bs + span % bs
+            queries = lp.positions[shape.first: shape.first + shape.rows]
             groups.append(_Group(slice(shape.first, shape.first + shape.rows), keys, span[None, :] <= queries[:, None]))
-        return TorchMeta(batch.write_slots, keep, g1, single_keys, single_valid, groups)
+        return TorchMeta(lp.write_slots, keep, singles, groups)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
-        if meta.num_single:
-            keys, values = self.kv.read(layer, meta.single_keys)  # [G1, Lmax, Hkv, D]
-            out[: meta.num_single] = _decode_attention(q[: meta.num_single], keys, values, meta.single_valid, scale)
+        for run in meta.singles:
+            keys, values = self.kv.read(layer, run.key_slots)  # [G, Lmax, Hkv, D]
+            out[run.rows] = _decode_attention(q[run.rows], keys, values, run.valid, scale)
         for group in meta.groups:
             keys, values = self.kv.read(layer, group.key_slots)
             out[group.rows] = _sdpa(q[group.rows], keys, values, group.mask, scale)
         return out
+
+
+def _single_runs(shapes: list[GroupShape]) -> list[slice]:
+    """Maximal runs of consecutive single-row groups, as slices of `shapes`."""
+    runs, start = [], None
+    for i, shape in enumerate(shapes + [None]):
+        single = shape is not None and shape.rows == 1
+        if single and start is None:
+            start = i
+        elif not single and start is not None:
+            runs.append(slice(start, i))
+            start = None
+    return runs
 
 
 @dataclasses.dataclass
@@ -138,12 +157,12 @@ class TritonAttention:
         self.tile_rows = (max(1, self.SMALL_M // g), max(1, self.LARGE_M // g))
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
-    def build(self, batch: ForwardBatch, keep: torch.Tensor | None) -> TritonMeta:
-        assert batch.tiles is not None, "the forward batch was built without query tiles"
-        num_tiles = batch.tiles.shape[0]
-        longest = max((s.context for s in batch.groups), default=0)
+    def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TritonMeta:
+        assert lp.tiles is not None, "the forward batch was built without query tiles"
+        num_tiles = lp.tiles.shape[0]
+        longest = max((s.context for s in lp.groups), default=0)
         splits = choose_splits(num_tiles, self.num_kv_heads, longest, self.num_sms)
-        return TritonMeta(batch.write_slots, keep, batch.tables, batch.positions, batch.tiles, batch.tile_rows, splits)
+        return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)

@@ -3,7 +3,13 @@
 Everything a forward call reads about its rows lives here, in buffers allocated once at
 start-up (pinned staging on the host, a mirror on the device), so a call costs one
 host-to-device copy of integers and one of floats, and the addresses never change (what a
-CUDA graph needs). Views into the device buffer, by segment:
+CUDA graph needs).
+
+Rows are ordered by group: groups running more loops first (so the rows of loop pass p,
+the groups with loops > p, are a prefix [0, N_p)), then within that single-row groups
+first, each in plan order. A `LoopPass` per pass holds what attention reads for it: the
+rows' positions, depths and page-table offsets at that pass, their KV slots, the group
+shapes and query tiles. Views into the device buffer, by segment:
 
 - rows [N]: absolute position (any order; nonconsecutive allowed), depth, request cell,
   token slot, token id (-1: take it from the request cell), the offset of its own plane's
@@ -14,6 +20,7 @@ CUDA graph needs). Views into the device buffer, by segment:
   on the host (-1: none), one integer of its own (draft buffer entry, k, candidate entry),
   and the sampling parameters (top_k; temperature, top_p, min_p as fp32);
 - tables [T]: page tables, one per (request cell, plane) in the plan;
+- page-table offsets of passes 1.. (each pass's rows at their depth at that pass);
 - query tiles [M, 3], when the backend asks for them: (first row, rows, table offset) for
   runs of at most `tile_rows` rows of one group (what the Triton attention kernel launches
   over); `tile_rows` is the backend's small size when every group fits in it (decodes,
@@ -73,27 +80,35 @@ class HeadSegment:
 
 
 @dataclasses.dataclass
-class ForwardBatch:
-    plan: Plan
+class LoopPass:
+    """One loop over rows [0, num_rows) of the batch: what the attention backend reads."""
+
     num_rows: int
-    positions: torch.Tensor  # [N] long
-    depths: torch.Tensor  # [N] long
-    cells: torch.Tensor  # [N] long
-    token_slots: torch.Tensor  # [N] long
-    token_ids: torch.Tensor  # [N] long, -1: from the request cell
-    tables: torch.Tensor  # [T] long: page ids
-    table_offsets: torch.Tensor  # [N] long: where each row's own page table starts in `tables`
-    write_slots: torch.Tensor  # [N] long: each row's KV slot in its own plane (computed on the device)
-    deeper_slots: torch.Tensor | None  # [N, R] long: KV slot in each plane, -1 where none (adaptive exit)
-    enter_rows: torch.Tensor | None  # [E] long
-    enter_incarnations: torch.Tensor | None  # [E] long
-    groups: list[GroupShape]  # single-row groups first, then the others, each in plan order
-    num_single: int  # rows [0, num_single) are the single-row groups (decodes)
-    heads: dict[type, HeadSegment]
-    host_groups: list[RowGroup]  # groups with a host result, in result order
+    positions: torch.Tensor  # [N_p] long
+    depths: torch.Tensor  # [N_p] long: each row's depth at this pass
+    tables: torch.Tensor  # [T] long: page ids (the batch's)
+    table_offsets: torch.Tensor  # [N_p] long: where each row's page table at this depth starts in `tables`
+    write_slots: torch.Tensor  # [N_p] long: each row's KV slot at this depth (computed on the device)
+    deeper_slots: torch.Tensor | None  # [N_p, R] long: KV slot in each plane, -1 where none (adaptive exit)
+    groups: list[GroupShape]  # the pass's groups, in row order
     page_size: int
     tiles: torch.Tensor | None = None  # [M, 3] long: query tiles, when the builder cuts them
     tile_rows: int = 0  # the most rows of any tile
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    plan: Plan
+    num_rows: int
+    cells: torch.Tensor  # [N] long
+    token_slots: torch.Tensor  # [N] long
+    token_ids: torch.Tensor  # [N] long, -1: from the request cell
+    enter_rows: torch.Tensor | None  # [E] long
+    enter_incarnations: torch.Tensor | None  # [E] long
+    passes: list[LoopPass]  # pass p runs the groups with loops > p
+    heads: dict[type, HeadSegment]
+    host_groups: list[RowGroup]  # groups with a host result, in result order
+    page_size: int
 
     def segment(self, kind: type) -> HeadSegment | None:
         return self.heads.get(kind)
@@ -113,8 +128,9 @@ class ForwardBatchBuilder:
         self.device = device
         self.max_rows = max_rows
         self.max_tables = max_seqs * num_loops * max_pages_per_seq
+        # every tile holds at least one row; passes 1.. add a table offset and tiles per row
         ints = (max_rows * (self.ROW_COLUMNS + num_loops) + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables
-                + TILE_COLUMNS * max_rows)  # every tile holds at least one row
+                + num_loops * (1 + TILE_COLUMNS) * max_rows)
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -133,22 +149,23 @@ class ForwardBatchBuilder:
         table_at: dict[tuple[int, int], tuple[int, int]] = {}
         enter: list[int] = []
         enter_inc: list[int] = []
-        shapes: list[GroupShape] = []
         by_kind: dict[type, list[tuple[int, RowGroup]]] = {}
         host_groups = plan.host_groups  # results in plan order
         first = 0
-        # Single-row groups first: a backend then finds every decode row in rows [0, G1).
-        ordered = sorted(plan.groups, key=lambda g: g.num_rows > 1)
+        # More loops first (each pass's rows are a prefix), then single-row groups first.
+        ordered = sorted(plan.groups, key=lambda g: (-g.loops, g.num_rows > 1))
+        num_passes = ordered[0].loops if ordered else 1
+        shapes: list[list[GroupShape]] = [[] for _ in range(num_passes)]  # per pass
         for group in ordered:
             n = group.num_rows
             own = _table_offset(table_at, tables, group.cell, group.depth, group.page_table)
-            shapes.append(GroupShape(first, n, group.end, own))
+            planes = [own] + [_table_offset(table_at, tables, group.cell, plane, table)
+                              for plane, table in enumerate(group.deeper_tables, start=group.depth + 1)]
+            for p in range(group.loops):
+                shapes[p].append(GroupShape(first, n, group.end, planes[p]))
             rows.extend(group, own)
             if plan.adaptive_exit:
-                deeper = [-1] * (group.depth + 1) + [
-                    _table_offset(table_at, tables, group.cell, plane, table)
-                    for plane, table in enumerate(group.deeper_tables, start=group.depth + 1)]
-                rows.extend_planes(deeper, n)
+                rows.extend_planes([-1] * (group.depth + 1) + planes[1:], n)
             if group.depth == 0:
                 enter.extend(range(first, first + n))
                 enter_inc.extend([group.incarnation] * n)
@@ -166,19 +183,19 @@ class ForwardBatchBuilder:
                 heads.append((kind, row, group))
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
-        tiles, tile_rows = self._tiles(shapes)
-        ints = rows.flat() + enter + enter_inc + head_ints + tables + tiles
+        pass_offsets: list[int] = []  # passes 1..: each row's page table at its depth there
+        for later in shapes[1:]:
+            for shape in later:
+                pass_offsets.extend([shape.table] * shape.rows)
+        tiles = [self._tiles(pass_shapes) for pass_shapes in shapes]
+        flat_tiles = [x for t, _ in tiles for x in t]
+        ints = rows.flat() + enter + enter_inc + head_ints + tables + pass_offsets + flat_tiles
         host_ints, host_floats = self._take_staging()
         dev_ints = self._upload(host_ints, self._ints, array.array("q", ints))
         dev_floats = self._upload(host_floats, self._floats, array.array("f", head_floats))
         self._release_staging()
-        batch = self._views(plan, first, rows.width, len(enter), heads, len(tables), dev_ints, dev_floats,
-                            shapes, host_groups, results)
-        if self.tile_rows is not None:
-            at = len(ints) - len(tiles)
-            batch.tiles = dev_ints[at: len(ints)].view(-1, TILE_COLUMNS)
-            batch.tile_rows = tile_rows
-        return batch
+        return self._views(plan, first, rows.width, len(enter), heads, len(tables), dev_ints, dev_floats,
+                           shapes, tiles, host_groups, results)
 
     def _tiles(self, shapes: list[GroupShape]) -> tuple[list[int], int]:
         if self.tile_rows is None:
@@ -211,8 +228,8 @@ class ForwardBatchBuilder:
         return device
 
     def _views(self, plan: Plan, n: int, width: int, e: int, heads: list, t: int, ints: torch.Tensor,
-               floats: torch.Tensor, shapes: list[GroupShape], host_groups: list[RowGroup],
-               results: dict[int, int]) -> ForwardBatch:
+               floats: torch.Tensor, shapes: list[list[GroupShape]], tiles: list[tuple[list[int], int]],
+               host_groups: list[RowGroup], results: dict[int, int]) -> ForwardBatch:
         cols = ints[: n * width].view(width, n) if n else ints[:0].view(width, 0)
         at = n * width
         enter_rows, enter_inc = ints[at: at + e], ints[at + e: at + 2 * e]
@@ -221,15 +238,29 @@ class ForwardBatchBuilder:
         head_cols = ints[at: at + HEAD_COLUMNS * h].view(h, HEAD_COLUMNS) if h else ints[:0].view(0, HEAD_COLUMNS)
         at += HEAD_COLUMNS * h
         tables = ints[at: at + t]
+        at += t
         head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
-        positions, table = cols[0], cols[5]
+        positions, depths, offsets = cols[0], cols[1], cols[5]
         bs = self.page_size
-        write_slots = _kv_slots(tables, table, positions, bs)
         deeper = None
         if plan.adaptive_exit:
-            offsets = cols[self.ROW_COLUMNS:].t()  # [N, R]
-            slots = _kv_slots(tables, offsets.clamp(min=0), positions[:, None], bs)
-            deeper = torch.where(offsets >= 0, slots, torch.full_like(slots, -1))
+            planes = cols[self.ROW_COLUMNS:].t()  # [N, R]
+            slots = _kv_slots(tables, planes.clamp(min=0), positions[:, None], bs)
+            deeper = torch.where(planes >= 0, slots, torch.full_like(slots, -1))
+        passes = []
+        for p, pass_shapes in enumerate(shapes):
+            rows_p = sum(s.rows for s in pass_shapes)
+            if p:
+                offsets = ints[at: at + rows_p]
+                at += rows_p
+            passes.append(LoopPass(rows_p, positions[:rows_p], depths[:rows_p] + p if p else depths, tables,
+                                   offsets, _kv_slots(tables, offsets, positions[:rows_p], bs),
+                                   deeper[:rows_p] if deeper is not None else None, pass_shapes, bs))
+        if self.tile_rows is not None:
+            for lp, (flat, size) in zip(passes, tiles):
+                lp.tiles = ints[at: at + len(flat)].view(-1, TILE_COLUMNS)
+                lp.tile_rows = size
+                at += len(flat)
         segments: dict[type, HeadSegment] = {}
         start = 0
         for kind in HEAD_TYPES:
@@ -241,10 +272,8 @@ class ForwardBatchBuilder:
                                              c[:, 5].bool(), f[:, 0], f[:, 1], f[:, 2], [row for row, _ in members],
                                              [results.get(id(g), -1) for _, g in members])
                 start += len(members)
-        single = sum(1 for g in shapes if g.rows == 1)
-        return ForwardBatch(plan, n, positions, cols[1], cols[2], cols[3], cols[4], tables, table, write_slots, deeper,
-                            enter_rows if e else None, enter_inc if e else None, shapes, single, segments,
-                            host_groups, bs)
+        return ForwardBatch(plan, n, cols[2], cols[3], cols[4], enter_rows if e else None, enter_inc if e else None,
+                            passes, segments, host_groups, bs)
 
 
 class _Columns:

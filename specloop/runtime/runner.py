@@ -4,8 +4,13 @@ It owns the device state between calls: the KV pages (behind the attention backe
 token slot storage (each live token's hidden state, exit state, depth, candidate and
 incarnation) and each request cell's next token. A call is
 
-    forward batch (one upload) -> embed entering rows -> one loop through the backend ->
-    adaptive exit -> store slots -> heads (by head type, from the registry) -> host copies
+    forward batch (one upload) -> embed entering rows ->
+    per loop pass p: rows [0, N_p) through one loop (the backend) -> adaptive exit -> store slots
+    -> heads (by head type, from the registry, on each group's output after its last loop)
+    -> host copies
+
+Pass p runs the groups with more than p loops (`RowGroup.loops`), whose rows lead the batch,
+so a plain decode token runs every loop in one call and one plan.
 
 Nothing here reads a device value back to the CPU: sizes come from the plan, sampled
 tokens stay on the device for the next plan and are copied to pinned host memory behind a
@@ -23,7 +28,7 @@ import torch
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.runtime.attention import AttentionBackend, Bound
-from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder
+from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.plan import Plan, RowGroup, Sample, Verify
@@ -73,27 +78,35 @@ class Runner:
             ids = torch.where(ids < 0, self.next_token[batch.cells[enter]], ids)
             hidden[enter] = self.model.embed(ids)
             slots.enter(batch.token_slots[enter], ids, batch.enter_incarnations)
-        keep = slots.exited[batch.token_slots] if plan.adaptive_exit else None
-        meta = self.backend.build(batch, keep)
-        out = self.model.loop(hidden, batch.positions, Bound(self.backend, meta))
-        if plan.adaptive_exit:
-            out = self._exit(batch, out, keep)
-        slots.advance(batch.token_slots, batch.depths, out)
-        return self._heads(batch, out)
+        final = hidden  # each row's output after its last loop (rows of pass p are a prefix)
+        for lp in batch.passes:
+            rows = batch.token_slots[: lp.num_rows]
+            keep = slots.exited[rows] if plan.adaptive_exit else None
+            meta = self.backend.build(lp, keep)
+            out = self.model.loop(hidden[: lp.num_rows], lp.positions, Bound(self.backend, meta))
+            if plan.adaptive_exit:
+                out = self._exit(lp, rows, out, keep)
+            slots.advance(rows, lp.depths, out)
+            if lp.num_rows == batch.num_rows:
+                final = out
+            else:
+                final[: lp.num_rows] = out
+            hidden = out
+        return self._heads(batch, final)
 
-    def _exit(self, batch: ForwardBatch, out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def _exit(self, lp: LoopPass, rows: torch.Tensor, out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Q-exit on the device; newly exited tokens expose their K/V to deeper planes."""
-        rows, store = batch.token_slots, self.slots
+        store = self.slots
         survival = store.survival[rows]
-        exits, new_survival = exit_step(survival, self.model.exit_lambda(out), batch.depths + 1,
+        exits, new_survival = exit_step(survival, self.model.exit_lambda(out), lp.depths + 1,
                                         self.num_loops, self.threshold)
         newly = exits & ~keep
         store.survival[rows] = torch.where(keep, survival, new_survival)
         store.exited[rows] = keep | exits
-        src = batch.write_slots
+        src = lp.write_slots
         for plane in range(1, self.num_loops):
-            deeper = newly & (batch.depths < plane)
-            dst = batch.deeper_slots[:, plane]
+            deeper = newly & (lp.depths < plane)
+            dst = lp.deeper_slots[:, plane]
             self.backend.kv.inherit(src, torch.where(dst >= 0, dst, src), deeper)
         return torch.where(keep[:, None], store.hidden[rows], out)
 

@@ -23,10 +23,13 @@ from specloop.scheduling.request import Request
 
 
 class GroupBuilder(Protocol):
+    max_loops: int  # the most loops one group may run in this plan (1: a loop per call)
     def group(self, req: Request, depth: int, start: int, end: int, *, head: Head = None,
-              slots: list[int] | None = None, token_ids: list[int] | None = None) -> RowGroup:
-        """Rows [start, end) of `req` at `depth`. Depth-0 rows take token slots (`slots`
-        when the controller took them already) and `token_ids` when the host knows them."""
+              slots: list[int] | None = None, token_ids: list[int] | None = None, loops: int = 1) -> RowGroup:
+        """Rows [start, end) of `req` running `loops` loops from `depth`. Depth-0 rows take
+        token slots (`slots` when the controller took them already) and `token_ids` when the
+        host knows them. A multi-loop group is legal when every earlier position of the
+        request has finished (or is planned before it) each depth the group runs."""
         ...
 
     def take_slots(self, n: int) -> list[int] | None:
@@ -54,7 +57,7 @@ class Controller(Protocol):
         ...
 
     def plan(self, req: Request, budget: int, builder: GroupBuilder) -> list[RowGroup]:
-        """This plan's groups for `req`, at most `budget` rows."""
+        """This plan's groups for `req`, at most `budget` row-loops (`RowGroup.cost`)."""
         ...
 
     def committed(self, req: Request, commit: Commit) -> Rollback:

@@ -3,9 +3,10 @@
 A request's rows at depth d >= 1 are ready up to the frontier of depth d - 1; they are
 planned deepest first, so tokens finish as early as possible. Rows that enter depth 0
 (prompt chunks, the next generated token) are queued with the builder, which orders them
-across requests (single-token decodes before prompt chunks). The last row of a request at
-full depth samples its next token; with speculation on, the speculation controller takes
-the request over from that first output token.
+across requests (single-token decodes before prompt chunks) and runs a generated token
+through every loop in one call (a multi-loop group: one plan per token). The last row of
+a request at full depth samples its next token; with speculation on, the speculation
+controller takes the request over from that first output token.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ class DenseController:
             builder.queue_entry(req, frontiers[0], waiting)
         return groups
 
-    def group(self, req: Request, depth: int, start: int, end: int, builder: GroupBuilder) -> RowGroup:
-        """Rows [start, end) at `depth`; the request's last row at full depth samples."""
+    def group(self, req: Request, depth: int, start: int, end: int, builder: GroupBuilder,
+              loops: int = 1) -> RowGroup:
+        """Rows [start, end) through `loops` loops from `depth`; the request's last row at
+        full depth samples."""
         head = None
-        if depth == self.num_loops - 1 and end == req.num_tokens and req.wants_more_samples:
+        if depth + loops == self.num_loops and end == req.num_tokens and req.wants_more_samples:
             head = Sample(req.params, req.produced)
-        group = builder.group(req, depth, start, end, head=head)
+        group = builder.group(req, depth, start, end, head=head, loops=loops)
         if head is not None:
             req.produced += 1
             if self.handoff is not None:  # speculation takes over from the first output token

@@ -59,11 +59,12 @@ class _PlanBuilder:
         self._release = release
         self._entries = entries
         self.taken: list[int] = []
+        self.max_loops = scheduler.num_loops if scheduler.multi_loop else 1
 
     def group(self, req: Request, depth: int, start: int, end: int, *, head: Head = None,
-              slots: list[int] | None = None, token_ids: list[int] | None = None) -> RowGroup:
-        group = self._s.build_group(req, depth, start, end, head, slots, token_ids)
-        if depth == self._s.num_loops - 1:  # slots of finished tokens return once the ticket completed
+              slots: list[int] | None = None, token_ids: list[int] | None = None, loops: int = 1) -> RowGroup:
+        group = self._s.build_group(req, depth, start, end, head, slots, token_ids, loops)
+        if group.last_depth == self._s.num_loops - 1:  # slots of finished tokens return once the ticket completed
             self._release.extend(group.token_slots)
         return group
 
@@ -90,6 +91,7 @@ class Scheduler:
         self.adaptive_exit = adaptive_exit
         self.speculation = speculation
         self.dense = DenseController(num_loops, handoff=speculation)
+        self.multi_loop = True  # groups may run several loops per call (tests turn it off to compare)
         self.token_slots = TokenSlotPool(num_token_slots)
         self.cells = CellPool(max_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -166,19 +168,20 @@ class Scheduler:
                 self._fail(req, exc, builder)
                 continue
             groups.extend(planned)
-            budget -= sum(g.num_rows for g in planned)
+            budget -= sum(g.cost for g in planned)
         # Single-token decodes before prompt chunks; each entering row needs a token slot.
         entries.sort(key=lambda e: (e[2] > 1, e[0].arrival))
         for req, start, rows in entries:
             take = min(budget, rows, self.token_slots.num_free)
             if take > 0:
+                loops = self._entry_loops(req, start, take, budget)
                 builder = _PlanBuilder(self, release, entries)
                 try:
-                    groups.append(self.dense.group(req, 0, start, start + take, builder))
+                    groups.append(self.dense.group(req, 0, start, start + take, builder, loops))
                 except Exception as exc:
                     self._fail(req, exc, builder)
                     continue
-                budget -= take
+                budget -= take * loops
         if not groups:
             return None
         plan = Plan(self._next_ticket, groups, self.adaptive_exit)
@@ -187,6 +190,17 @@ class Scheduler:
             self.token_slots.finish(release)
             self._defer(lambda: self.token_slots.release(release))
         return plan
+
+    def _entry_loops(self, req: Request, start: int, rows: int, budget: int) -> int:
+        """Loops a dense entry runs in this call: every loop (one plan per token) for a single
+        row whose earlier positions finished every depth and when the budget allows; one
+        otherwise (prompt chunks move through the depths as a wavefront)."""
+        if not self.multi_loop or rows != 1 or budget < self.num_loops:
+            return 1
+        key = req.kv_key
+        if all(self.kv.frontier(key, d) == start for d in range(1, self.num_loops)):
+            return self.num_loops
+        return 1
 
     def take_failed(self) -> list[tuple[Request, Exception]]:
         """Requests whose planning raised since the last call; the caller ends each one."""
@@ -203,12 +217,16 @@ class Scheduler:
             self._defer(lambda: self.token_slots.release(orphans))
 
     def build_group(self, req: Request, depth: int, start: int, end: int, head: Head,
-                    slots: list[int] | None, token_ids: list[int] | None) -> RowGroup:
-        """Rows [start, end) of a request at one depth: token slots, KV frontier, page tables.
+                    slots: list[int] | None, token_ids: list[int] | None, loops: int = 1) -> RowGroup:
+        """Rows [start, end) of a request through `loops` loops from `depth`: token slots,
+        KV frontiers, page tables.
 
         Rows entering depth 0 take token slots (`slots` when the controller took them
         already); rows finishing the last depth give theirs up (`_PlanBuilder` releases
         them once the plan's ticket completes)."""
+        last = depth + loops - 1
+        if loops < 1 or last >= self.num_loops:
+            raise AssertionError(f"loops {depth}..{last} outside 0..{self.num_loops - 1}")
         key = req.kv_key
         if depth == 0:
             self.kv.ensure(key, end)
@@ -216,21 +234,26 @@ class Scheduler:
             for pos, slot in zip(range(start, end), taken):
                 req.token_slots[pos] = slot
         rows = [req.token_slots[p] for p in range(start, end)]
-        if depth == self.num_loops - 1:
+        if last == self.num_loops - 1:
             for pos in range(start, end):
                 del req.token_slots[pos]
-        self.kv.advance(key, depth, end)
+        for plane in range(depth, last + 1):
+            if self.kv.frontier(key, plane) != start:
+                raise AssertionError(f"plane {plane} of {req.request_id!r} is at {self.kv.frontier(key, plane)}, "
+                                     f"not at the group's start {start}")
+            self.kv.advance(key, plane, end)
         pages = -(-end // self.kv.block_size)
         prompt_len = len(req.prompt_ids)
         if token_ids is None and depth == 0 and end <= prompt_len:
             token_ids = req.prompt_ids[start:end]
         if depth == 0 and token_ids is None and end - start != 1:
             raise AssertionError("generated tokens enter depth 0 one at a time")
-        deeper = [self.kv.page_table(key, p)[:pages] for p in range(depth + 1, self.num_loops)] \
-            if self.adaptive_exit else []
+        planes = self.num_loops if self.adaptive_exit else last + 1
+        deeper = [self.kv.page_table(key, p)[:pages] for p in range(depth + 1, planes)]
         return RowGroup(request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, cell=req.cell,
                         depth=depth, start=start, end=end, token_ids=token_ids, token_slots=rows,
-                        page_table=self.kv.page_table(key, depth)[:pages], deeper_tables=deeper, head=head)
+                        page_table=self.kv.page_table(key, depth)[:pages], deeper_tables=deeper, head=head,
+                        loops=loops)
 
     def committed(self, req: Request, commit: Commit) -> None:
         """A committed result of a speculating request: the controller says what to roll back;
