@@ -9,6 +9,9 @@ Cases (random weights, bf16, greedy, ignore_eos):
   phase, i.e. (time of last token - time of first token) / (tokens - 1);
 - batch-32 decode after 1K-token prompts: aggregate output tokens/s over the window in
   which all 32 requests are decoding;
+- batch-1 decode after an 8K-token prompt (TPOT as above);
+- 128 concurrent requests, 1K in / 128 out: output tokens / wall time from submission
+  to the last token;
 - an 8K-token prompt with max_tokens=1: time to first token, and peak CUDA memory.
 Floors follow ../shared/docs/gpu.md: bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s, the larger.
 """
@@ -59,9 +62,11 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
     args = p.parse_args()
-    engine = EngineCore(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_num_seqs=64,
+    engine = EngineCore(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_num_seqs=128,
                                      max_num_batched_tokens=2048, attention_backend=args.attention_backend,
+                                     enforce_eager=args.enforce_eager,
                                      gpu_memory_utilization=args.gpu_memory_utilization))
     cfg = engine.model.config
     vocab, loops = cfg.vocab_size, cfg.num_loops
@@ -85,6 +90,15 @@ def main() -> None:
     agg32 = in_window / (window_end - window_start)
     floor32_step = (loops * stack_bytes + head_bytes + 32 * ctx * kv_token_bytes) / BANDWIDTH  # one token each
 
+    # batch-1 decode after 8K
+    t8d = _run(engine, _prompts(1, 8192, vocab, 4), args.decode_tokens)["r0"]
+    tpot8 = (t8d[-1] - t8d[0]) / (len(t8d) - 1)
+    floor8 = (loops * stack_bytes + head_bytes + (8192 + args.decode_tokens / 2) * kv_token_bytes) / BANDWIDTH
+
+    # 128 concurrent, 1K in / 128 out
+    t128 = _run(engine, _prompts(128, 1024, vocab, 5), 128)
+    out128 = sum(len(ts) for ts in t128.values()) / max(ts[-1] for ts in t128.values())
+
     # 8K prefill
     torch.cuda.reset_peak_memory_stats()
     kv_alloc = torch.cuda.memory_allocated()
@@ -105,6 +119,9 @@ def main() -> None:
                           "floor_ms": 1e3 * floor1, "gap": tpot1 / floor1},
         "batch32_decode": {"prompt": 1024, "tokens_per_request": args.decode_tokens, "aggregate_tokens_per_s": agg32,
                            "floor_tokens_per_s": 32 / floor32_step, "gap": (32 / floor32_step) / agg32},
+        "batch1_decode_after_8k": {"prompt": 8192, "tokens": len(t8d), "tpot_ms": 1e3 * tpot8,
+                                   "tokens_per_s": 1 / tpot8, "floor_ms": 1e3 * floor8, "gap": tpot8 / floor8},
+        "concurrent128": {"prompt": 1024, "tokens_per_request": 128, "output_tokens_per_s": out128},
         "prefill_8k": {"ttft_s": t8, "floor_s": floor8k, "gap": t8 / floor8k,
                        "peak_cuda_gib": peak / 2**30, "kv_pool_and_weights_gib": kv_alloc / 2**30},
     }
@@ -114,6 +131,8 @@ def main() -> None:
     b1, b32, p8 = result["batch1_decode"], result["batch32_decode"], result["prefill_8k"]
     print(f"{'batch-1 decode':16s} {b1['tpot_ms']:17.2f} ms/t {b1['floor_ms']:17.2f} ms/t {b1['gap']:6.1f}")
     print(f"{'batch-32 decode':16s} {agg32:19.0f} t/s {b32['floor_tokens_per_s']:19.0f} t/s {b32['gap']:6.1f}")
+    print(f"{'b1 after 8K':16s} {1e3 * tpot8:17.2f} ms/t {1e3 * floor8:17.2f} ms/t {tpot8 / floor8:6.1f}")
+    print(f"{'128 x 1K/128':16s} {out128:19.0f} t/s")
     print(f"{'8K prefill':16s} {t8:19.3f} s   {floor8k:19.3f} s   {p8['gap']:6.1f}")
     print(f"peak CUDA memory {peak / 2**30:.1f} GiB (KV pool + weights {kv_alloc / 2**30:.1f} GiB)")
 

@@ -99,6 +99,7 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "num_speculative_tokens": (int, "candidates drafted per speculation round"),
     "attention_backend": (str, "auto (triton on CUDA, torch on CPU), torch (the readable reference) or triton; "
                           "the engine logs what it chose"),
+    "enforce_eager": (bool, "run every forward call eagerly: no CUDA graphs"),
 }
 # What an unset option means where EngineConfig's default is None (no value to show).
 UNSET_MEANS = {
@@ -132,6 +133,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     shows that default."""
     add_model_argument(p)
     for name, (kind, _) in ENGINE_OPTIONS.items():
+        if kind is bool:  # a switch: given means True
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", dest=name, default=None,
+                           help=engine_option_help(name))
+            continue
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, default=None,
                        help=engine_option_help(name))
 

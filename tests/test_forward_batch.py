@@ -147,7 +147,7 @@ def test_staging_is_not_overwritten_while_its_copy_is_pending(tiny_ckpt):
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # keeps the stream busy while the CPU builds ahead
     first = builder.build(plans[0])
-    got = first.depths.clone()  # ordered after the copy on the stream: what the copy uploaded
+    got = first.passes[0].depths.clone()  # ordered after the copy on the stream: what the copy uploaded
     for plan in plans[1:]:  # the same rows at depths 1 and 2: other values in the same places
         builder.build(plan)
     torch.cuda.synchronize()

@@ -38,6 +38,7 @@ class EngineConfig:
     draft_loops: int = 2  # draft depth d: loops 1..d draft, d+1..R verify
     num_speculative_tokens: int = 4  # k: candidates drafted per round
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
+    enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -33,6 +33,7 @@ from specloop.pipeline.rounds import RoundController
 from specloop.pipeline.token_pipeline import TokenPipeline
 from specloop.runtime.attention import make_backend
 from specloop.runtime.forward_batch import ForwardBatchBuilder
+from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.runner import Runner
 from specloop.runtime.sampler import check_representable
@@ -110,24 +111,33 @@ class EngineCore:
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation)
-        kv = PagedKV(mcfg.num_hidden_layers, num_pages, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim,
-                     self.model.dtype, device)
+        # One page past the KV manager's: the sink padding rows of a CUDA graph write.
+        kv = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
+                     mcfg.head_dim, self.model.dtype, device)
         self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
                                     mcfg.num_key_value_heads)
+        graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
+        buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
                                       -(-self.max_model_len // config.block_size), config.block_size, device,
-                                      tile_rows=self.backend.tile_rows)
-        self.executor = Executor(Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs,
-                                        threshold, config.seed, heads))
+                                      tile_rows=self.backend.tile_rows, buckets=buckets, pad_slot=num_token_slots)
+        runner = Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs, threshold,
+                        config.seed, heads)
+        if graphed:
+            runner.use_graphs(LoopGraphs(
+                runner.run_pass, buckets, mcfg.hidden_size, self.model.dtype,
+                mcfg.num_loops if threshold < 1.0 else 0, self.backend.tile_rows[0], mcfg.num_key_value_heads,
+                self.max_model_len, batches.max_tables, num_pages, num_token_slots, config.block_size, device))
+        self.executor = Executor(runner)
         self.metrics = SpeculationMetrics(max(speculation.draft_width if speculation else 0, 1))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inflight: collections.deque[Ticket] = collections.deque()
         self._arrivals = itertools.count()
         self.failure: BaseException | None = None  # set when a step failed outside one request
-        log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s",
+        log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",
                  config.model, device, num_pages, config.block_size, num_pages * page_bytes / 2**20,
-                 self.backend.name)
+                 self.backend.name, "on" if graphed else "off")
 
     def _num_pages(self, page_bytes: int, device: torch.device) -> int:
         cfg = self.config

@@ -159,9 +159,10 @@ class TritonAttention:
 
     def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TritonMeta:
         assert lp.tiles is not None, "the forward batch was built without query tiles"
-        num_tiles = lp.tiles.shape[0]
-        longest = max((s.context for s in lp.groups), default=0)
-        splits = choose_splits(num_tiles, self.num_kv_heads, longest, self.num_sms)
+        splits = lp.num_splits
+        if splits is None:  # eager: from this call's tiles and longest context
+            longest = max((s.context for s in lp.groups), default=0)
+            splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:

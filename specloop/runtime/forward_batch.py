@@ -94,6 +94,36 @@ class LoopPass:
     page_size: int
     tiles: torch.Tensor | None = None  # [M, 3] long: query tiles, when the builder cuts them
     tile_rows: int = 0  # the most rows of any tile
+    token_slots: torch.Tensor | None = None  # [N_p] long: the rows' token slots
+    block: torch.Tensor | None = None  # the pass's padded block in the device buffer (`PassLayout`)
+    bucket: int = 0  # rows of the block (N_p padded up to a graph bucket, or N_p)
+    num_splits: int | None = None  # split-KV fixed by the caller (a CUDA graph); None: the backend picks
+
+
+@dataclasses.dataclass(frozen=True)
+class PassLayout:
+    """Where each column of one pass sits in its block of `bucket` rows: positions, depths,
+    token slots and page-table offsets ([b] each), query tiles ([b, 3]: at most one per row)
+    and, with adaptive exit, every plane's page-table offset ([R, b]). Rows past the pass's
+    own are padding: position 0, depth 0, the pad token slot, the pad table entry (whose page
+    is a sink nobody reads), tiles of 0 rows, no planes (-1). A CUDA graph captured for a
+    bucket reads a block of this layout at a fixed address."""
+
+    bucket: int
+    planes: int  # R with adaptive exit, else 0
+
+    @property
+    def size(self) -> int:
+        return (4 + TILE_COLUMNS + self.planes) * self.bucket
+
+    def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
+        b = self.bucket
+        out = {"positions": block[:b], "depths": block[b: 2 * b], "token_slots": block[2 * b: 3 * b],
+               "table_offsets": block[3 * b: 4 * b],
+               "tiles": block[4 * b: (4 + TILE_COLUMNS) * b].view(b, TILE_COLUMNS)}
+        if self.planes:
+            out["planes"] = block[(4 + TILE_COLUMNS) * b: self.size].view(self.planes, b).t()
+        return out
 
 
 @dataclasses.dataclass
@@ -117,20 +147,25 @@ class ForwardBatch:
 class ForwardBatchBuilder:
     """Owns the staging and device buffers; `build(plan)` is the batch's only writer."""
 
-    ROW_COLUMNS = 6  # position, depth, cell, slot, token, table
+    ROW_COLUMNS = 3  # cell, slot, token (batch level; the rest is per pass)
 
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
-                 device: torch.device, tile_rows: tuple[int, int] | None = None) -> None:
-        """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles."""
+                 device: torch.device, tile_rows: tuple[int, int] | None = None,
+                 buckets: tuple[int, ...] = (), pad_slot: int = 0) -> None:
+        """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles;
+        `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
+        `pad_slot`: the token slot padding rows name (a sink row of the slot storage)."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
         self.page_size = page_size
         self.device = device
         self.max_rows = max_rows
+        self.buckets = tuple(sorted(b for b in buckets if b <= max_rows))
+        self.pad_slot = pad_slot
         self.max_tables = max_seqs * num_loops * max_pages_per_seq
-        # every tile holds at least one row; passes 1.. add a table offset and tiles per row
-        ints = (max_rows * (self.ROW_COLUMNS + num_loops) + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables
-                + num_loops * (1 + TILE_COLUMNS) * max_rows)
+        self.pad_table = self.max_tables  # the sink entry a graph's table buffer holds past every real one
+        block = max(PassLayout(max_rows, num_loops).size, PassLayout(max(self.buckets, default=1), num_loops).size)
+        ints = self.ROW_COLUMNS * max_rows + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables + num_loops * block
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -143,8 +178,19 @@ class ForwardBatchBuilder:
         self._floats = torch.zeros(floats, dtype=torch.float32, device=device)
         self.uploads = 0  # host-to-device copies so far (a test counts them per call)
 
+    def bucket(self, rows: int) -> int:
+        """The graph bucket a pass of `rows` rows is padded to, or `rows` past the largest."""
+        for b in self.buckets:
+            if rows <= b:
+                return b
+        return rows
+
     def build(self, plan: Plan) -> ForwardBatch:
-        rows = _Columns(self.ROW_COLUMNS + (self.num_loops if plan.adaptive_exit else 0))
+        cells: list[int] = []
+        slots: list[int] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        depths: list[int] = []
         tables: list[int] = []
         table_at: dict[tuple[int, int], tuple[int, int]] = {}
         enter: list[int] = []
@@ -156,6 +202,7 @@ class ForwardBatchBuilder:
         ordered = sorted(plan.groups, key=lambda g: (-g.loops, g.num_rows > 1))
         num_passes = ordered[0].loops if ordered else 1
         shapes: list[list[GroupShape]] = [[] for _ in range(num_passes)]  # per pass
+        plane_columns: list[list[int]] = [[] for _ in range(self.num_loops if plan.adaptive_exit else 0)]
         for group in ordered:
             n = group.num_rows
             own = _table_offset(table_at, tables, group.cell, group.depth, group.page_table)
@@ -163,9 +210,14 @@ class ForwardBatchBuilder:
                               for plane, table in enumerate(group.deeper_tables, start=group.depth + 1)]
             for p in range(group.loops):
                 shapes[p].append(GroupShape(first, n, group.end, planes[p]))
-            rows.extend(group, own)
+            cells.extend([group.cell] * n)
+            slots.extend(group.token_slots)
+            tokens.extend(group.token_ids if group.token_ids is not None else [-1] * n)
+            positions.extend(range(group.start, group.end))
+            depths.extend([group.depth] * n)
             if plan.adaptive_exit:
-                rows.extend_planes([-1] * (group.depth + 1) + planes[1:], n)
+                for column, offset in zip(plane_columns, [-1] * (group.depth + 1) + planes[1:]):
+                    column.extend([offset] * n)
             if group.depth == 0:
                 enter.extend(range(first, first + n))
                 enter_inc.extend([group.incarnation] * n)
@@ -183,19 +235,36 @@ class ForwardBatchBuilder:
                 heads.append((kind, row, group))
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
-        pass_offsets: list[int] = []  # passes 1..: each row's page table at its depth there
-        for later in shapes[1:]:
-            for shape in later:
-                pass_offsets.extend([shape.table] * shape.rows)
-        tiles = [self._tiles(pass_shapes) for pass_shapes in shapes]
-        flat_tiles = [x for t, _ in tiles for x in t]
-        ints = rows.flat() + enter + enter_inc + head_ints + tables + pass_offsets + flat_tiles
+        ints = cells + slots + tokens + enter + enter_inc + head_ints + tables
+        blocks = []  # (at, layout, rows, tile_rows) per pass
+        for p, pass_shapes in enumerate(shapes):
+            n = sum(s.rows for s in pass_shapes)
+            layout = PassLayout(self.bucket(n), len(plane_columns))
+            tiles, tile_rows = self._tiles(pass_shapes)
+            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS))
+            ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns))
         host_ints, host_floats = self._take_staging()
         dev_ints = self._upload(host_ints, self._ints, array.array("q", ints))
         dev_floats = self._upload(host_floats, self._floats, array.array("f", head_floats))
         self._release_staging()
-        return self._views(plan, first, rows.width, len(enter), heads, len(tables), dev_ints, dev_floats,
-                           shapes, tiles, host_groups, results)
+        return self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
+                           host_groups, results)
+
+    def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
+               slots: list[int], shapes: list[GroupShape], tiles: list[int],
+               plane_columns: list[list[int]]) -> list[int]:
+        """Pass p's block (`PassLayout`): its n rows' columns, then padding up to the bucket."""
+        pad = layout.bucket - n
+        out = positions[:n] + [0] * pad
+        out += [d + p for d in depths[:n]] + [0] * pad
+        out += slots[:n] + [self.pad_slot] * pad
+        for shape in shapes:
+            out.extend([shape.table] * shape.rows)
+        out += [self.pad_table] * pad
+        out += tiles + [0] * (TILE_COLUMNS * layout.bucket - len(tiles))
+        for column in plane_columns:
+            out += column[:n] + [-1] * pad
+        return out
 
     def _tiles(self, shapes: list[GroupShape]) -> tuple[list[int], int]:
         if self.tile_rows is None:
@@ -227,40 +296,23 @@ class ForwardBatchBuilder:
             self.uploads += 1
         return device
 
-    def _views(self, plan: Plan, n: int, width: int, e: int, heads: list, t: int, ints: torch.Tensor,
-               floats: torch.Tensor, shapes: list[list[GroupShape]], tiles: list[tuple[list[int], int]],
-               host_groups: list[RowGroup], results: dict[int, int]) -> ForwardBatch:
-        cols = ints[: n * width].view(width, n) if n else ints[:0].view(width, 0)
-        at = n * width
+    def _views(self, plan: Plan, n: int, e: int, heads: list, t: int, ints: torch.Tensor, floats: torch.Tensor,
+               shapes: list[list[GroupShape]], blocks: list, host_groups: list[RowGroup],
+               results: dict[int, int]) -> ForwardBatch:
+        cols = ints[: n * self.ROW_COLUMNS].view(self.ROW_COLUMNS, n) if n else ints[:0].view(self.ROW_COLUMNS, 0)
+        at = n * self.ROW_COLUMNS
         enter_rows, enter_inc = ints[at: at + e], ints[at + e: at + 2 * e]
         at += 2 * e
         h = len(heads)
         head_cols = ints[at: at + HEAD_COLUMNS * h].view(h, HEAD_COLUMNS) if h else ints[:0].view(0, HEAD_COLUMNS)
         at += HEAD_COLUMNS * h
         tables = ints[at: at + t]
-        at += t
         head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
-        positions, depths, offsets = cols[0], cols[1], cols[5]
         bs = self.page_size
-        deeper = None
-        if plan.adaptive_exit:
-            planes = cols[self.ROW_COLUMNS:].t()  # [N, R]
-            slots = _kv_slots(tables, planes.clamp(min=0), positions[:, None], bs)
-            deeper = torch.where(planes >= 0, slots, torch.full_like(slots, -1))
         passes = []
-        for p, pass_shapes in enumerate(shapes):
-            rows_p = sum(s.rows for s in pass_shapes)
-            if p:
-                offsets = ints[at: at + rows_p]
-                at += rows_p
-            passes.append(LoopPass(rows_p, positions[:rows_p], depths[:rows_p] + p if p else depths, tables,
-                                   offsets, _kv_slots(tables, offsets, positions[:rows_p], bs),
-                                   deeper[:rows_p] if deeper is not None else None, pass_shapes, bs))
-        if self.tile_rows is not None:
-            for lp, (flat, size) in zip(passes, tiles):
-                lp.tiles = ints[at: at + len(flat)].view(-1, TILE_COLUMNS)
-                lp.tile_rows = size
-                at += len(flat)
+        for pass_shapes, (start, layout, rows, tile_rows, num_tiles) in zip(shapes, blocks):
+            passes.append(pass_view(layout, ints[start: start + layout.size], tables, bs, rows, pass_shapes,
+                                    tile_rows, num_tiles if self.tile_rows is not None else None))
         segments: dict[type, HeadSegment] = {}
         start = 0
         for kind in HEAD_TYPES:
@@ -272,36 +324,37 @@ class ForwardBatchBuilder:
                                              c[:, 5].bool(), f[:, 0], f[:, 1], f[:, 2], [row for row, _ in members],
                                              [results.get(id(g), -1) for _, g in members])
                 start += len(members)
-        return ForwardBatch(plan, n, cols[2], cols[3], cols[4], enter_rows if e else None, enter_inc if e else None,
+        return ForwardBatch(plan, n, cols[0], cols[1], cols[2], enter_rows if e else None, enter_inc if e else None,
                             passes, segments, host_groups, bs)
 
 
-class _Columns:
-    """Per-row integer columns, filled group by group (each column a list, extended in C)."""
+def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, page_size: int, rows: int,
+              shapes: list[GroupShape], tile_rows: int, num_tiles: int | None,
+              num_splits: int | None = None) -> LoopPass:
+    """The `LoopPass` of a block: views of its first `rows` rows, KV slots computed on the
+    device (a CUDA graph calls this inside its capture, with every row of the bucket)."""
+    v = layout.views(block)
+    positions, offsets = v["positions"][:rows], v["table_offsets"][:rows]
+    deeper = None
+    if layout.planes:
+        planes = v["planes"][:rows]  # [N_p, R]
+        slots = _kv_slots(tables, planes.clamp(min=0), positions[:, None], page_size)
+        deeper = torch.where(planes >= 0, slots, torch.full_like(slots, -1))
+    return LoopPass(rows, positions, v["depths"][:rows], tables, offsets, _kv_slots(tables, offsets, positions, page_size),
+                    deeper, shapes, page_size, tiles=v["tiles"][:num_tiles] if num_tiles is not None else None,
+                    tile_rows=tile_rows, token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket,
+                    num_splits=num_splits)
 
-    def __init__(self, width: int) -> None:
-        self.width = width
-        self.columns: list[list[int]] = [[] for _ in range(width)]
 
-    def extend(self, group: RowGroup, table: int) -> None:
-        n = group.num_rows
-        pos, depth, cell, slot, token, tab = self.columns[:6]
-        pos.extend(range(group.start, group.end))
-        depth.extend([group.depth] * n)
-        cell.extend([group.cell] * n)
-        slot.extend(group.token_slots)
-        token.extend(group.token_ids if group.token_ids is not None else [-1] * n)
-        tab.extend([table] * n)
-
-    def extend_planes(self, offsets: list[int], n: int) -> None:
-        for column, offset in zip(self.columns[6:], offsets):
-            column.extend([offset] * n)
-
-    def flat(self) -> list[int]:
-        out: list[int] = []
-        for column in self.columns:
-            out.extend(column)
-        return out
+def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.device) -> torch.Tensor:
+    """A block of padding rows only (what a CUDA graph is captured on)."""
+    block = torch.zeros(layout.size, dtype=torch.long, device=device)
+    b = layout.bucket
+    block[2 * b: 3 * b] = pad_slot
+    block[3 * b: 4 * b] = pad_table
+    if layout.planes:
+        block[(4 + TILE_COLUMNS) * b:] = -1
+    return block
 
 
 def _table_offset(table_at: dict[tuple[int, int], tuple[int, int]], tables: list[int], cell: int, plane: int,

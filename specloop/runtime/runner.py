@@ -29,6 +29,7 @@ from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.runtime.attention import AttentionBackend, Bound
 from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass
+from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.plan import Plan, RowGroup, Sample, Verify
@@ -54,14 +55,18 @@ class Runner:
     def __init__(self, model: OuroModel, backend: AttentionBackend, batches: ForwardBatchBuilder,
                  num_token_slots: int, max_cells: int, exit_threshold: float, engine_seed: int,
                  heads: dict[type, DeviceHead] | None = None) -> None:
+        """The slot storage holds one extra slot, `num_token_slots`: the sink padding rows
+        write (the forward batch's `pad_slot`)."""
         cfg = model.config
         self.model = model
         self.device = model.device
         self.num_loops = cfg.num_loops
         self.threshold = exit_threshold
+        self.adaptive_exit = exit_threshold < 1.0
         self.backend = backend
         self.batches = batches
-        self.slots = SlotStorage(num_token_slots, cfg.hidden_size, model.dtype, self.device)
+        self.graphs: LoopGraphs | None = None  # set by `use_graphs`
+        self.slots = SlotStorage(num_token_slots + 1, cfg.hidden_size, model.dtype, self.device)
         self.next_token = torch.zeros(max_cells, dtype=torch.long, device=self.device)
         self.heads: dict[type, DeviceHead] = {Sample: SampleHead(), **(heads or {})}
         self.context = HeadContext(model, self.next_token, engine_seed)
@@ -78,21 +83,44 @@ class Runner:
             ids = torch.where(ids < 0, self.next_token[batch.cells[enter]], ids)
             hidden[enter] = self.model.embed(ids)
             slots.enter(batch.token_slots[enter], ids, batch.enter_incarnations)
-        final = hidden  # each row's output after its last loop (rows of pass p are a prefix)
-        for lp in batch.passes:
-            rows = batch.token_slots[: lp.num_rows]
-            keep = slots.exited[rows] if plan.adaptive_exit else None
-            meta = self.backend.build(lp, keep)
-            out = self.model.loop(hidden[: lp.num_rows], lp.positions, Bound(self.backend, meta))
-            if plan.adaptive_exit:
-                out = self._exit(lp, rows, out, keep)
-            slots.advance(rows, lp.depths, out)
-            if lp.num_rows == batch.num_rows:
-                final = out
+        final = None  # each row's output after its last loop (rows of pass p are a prefix)
+        graphs = self.graphs
+        tables_loaded = False
+        for p, lp in enumerate(batch.passes):
+            if graphs is not None and graphs.fits(lp):
+                if not tables_loaded:
+                    graphs.load_tables(lp.tables)
+                    tables_loaded = True
+                out = graphs.replay(lp, hidden[: lp.num_rows])
             else:
-                final[: lp.num_rows] = out
+                out = self.run_pass(lp, hidden[: lp.num_rows])
+            done = batch.passes[p + 1].num_rows if p + 1 < len(batch.passes) else 0  # rows going on
+            if done == 0 and final is None:
+                final = out
+            else:  # rows [done, N_p) ran their last loop here
+                if final is None:
+                    final = out.new_empty(batch.num_rows, out.shape[1])
+                final[done: lp.num_rows] = out[done:]
             hidden = out
         return self._heads(batch, final)
+
+    def run_pass(self, lp: LoopPass, hidden: torch.Tensor) -> torch.Tensor:
+        """One loop over the pass's rows: attention through the backend, adaptive exit, slot
+        writes (eager, or the body a CUDA graph captures)."""
+        slots = self.slots
+        rows = lp.token_slots
+        keep = slots.exited[rows] if self.adaptive_exit else None
+        meta = self.backend.build(lp, keep)
+        out = self.model.loop(hidden, lp.positions, Bound(self.backend, meta))
+        if self.adaptive_exit:
+            out = self._exit(lp, rows, out, keep)
+        slots.advance(rows, lp.depths, out)
+        return out
+
+    def use_graphs(self, graphs: LoopGraphs) -> None:
+        """Replay loop passes that fit a bucket through `graphs` (captured here, now)."""
+        graphs.capture()
+        self.graphs = graphs
 
     def _exit(self, lp: LoopPass, rows: torch.Tensor, out: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Q-exit on the device; newly exited tokens expose their K/V to deeper planes."""

@@ -1,0 +1,124 @@
+"""Where a decode step's time goes on the GPU: host time per phase and kernel time per call.
+
+    python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b
+    python bench/profile_decode.py --model /tmp/ouro14 --out bench/results/profile_decode_h200.json
+
+Batch-1 (and batch-32) greedy decode after a 1K prompt, random ouro-1.4b bf16, defaults
+(triton backend, CUDA graphs unless --enforce-eager). Over a window of decode steps it
+records:
+- host time per step, split into planning (Scheduler.schedule), building the forward
+  batch, enqueueing the call (Runner.execute minus the build), waiting for the result
+  (Ticket.result) and committing (the rest of EngineCore.step);
+- from torch.profiler over the same kind of window: CUDA kernel time per step and the
+  kernels that take most of it; wall time minus kernel time is what the GPU sits idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specloop.engine.config import EngineConfig  # noqa: E402
+from specloop.engine.core import EngineCore  # noqa: E402
+from specloop.engine.executor import Ticket  # noqa: E402
+from specloop.sampling_params import SamplingParams  # noqa: E402
+
+
+def _timed(obj, name: str, bucket: str, acc: dict[str, float]) -> None:
+    real = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            acc[bucket] += time.perf_counter() - t
+    setattr(obj, name, wrapper)
+
+
+def _case(engine: EngineCore, batch: int, steps: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=steps * 3 + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", torch.randint(3, vocab, (1024,), generator=gen).tolist(), params)
+    while engine.executor.num_submitted < 8 or any(r.produced < 4 for r in engine.requests.values()):
+        engine.step()  # past the prefill: every request decodes
+    acc: dict[str, float] = collections.defaultdict(float)
+    runner = engine.executor.runner
+    _timed(engine.scheduler, "schedule", "plan", acc)
+    _timed(runner.batches, "build", "build", acc)
+    _timed(runner, "execute", "execute", acc)
+    real_result = Ticket.result
+
+    def waited(ticket: Ticket):
+        t = time.perf_counter()
+        try:
+            return real_result(ticket)
+        finally:
+            acc["wait"] += time.perf_counter() - t
+
+    Ticket.result = waited
+    try:
+        torch.cuda.synchronize()
+        t0, n0 = time.perf_counter(), engine.executor.num_submitted
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        calls = engine.executor.num_submitted - n0
+    finally:
+        Ticket.result = real_result
+        del engine.scheduler.__dict__["schedule"], runner.batches.__dict__["build"], runner.__dict__["execute"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = collections.Counter()
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
+            kernels[e.key] += getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+    kernel_us = sum(kernels.values())
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    engine.drain()
+    host = {k: 1e3 * v / steps for k, v in acc.items()}
+    host["enqueue"] = host.get("execute", 0) - host.get("build", 0)  # execute includes the build
+    host["commit_and_rest"] = 1e3 * wall / steps - sum(host[k] for k in ("plan", "execute", "wait"))
+    return {"batch": batch, "steps": steps, "calls": calls, "wall_ms_per_step": 1e3 * wall / steps,
+            "tokens_per_s": batch * steps / wall, "host_ms_per_step": host,
+            "kernel_ms_per_step": kernel_us / 1e3 / steps,
+            "gpu_idle_fraction": max(0.0, 1 - (kernel_us / 1e6 / steps) / (wall / steps)),
+            "top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in kernels.most_common(12)}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args()
+    engine = EngineCore(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_num_seqs=64,
+                                     max_num_batched_tokens=2048, enforce_eager=args.enforce_eager))
+    vocab = engine.model.config.vocab_size
+    cases = [_case(engine, b, args.steps, vocab) for b in (1, 32)]
+    record = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "engine": engine.config.summary(), "cases": cases}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    for c in cases:
+        print(json.dumps({k: c[k] for k in ("batch", "wall_ms_per_step", "tokens_per_s", "kernel_ms_per_step",
+                                            "gpu_idle_fraction", "host_ms_per_step")}))
+        for k, v in list(c["top_kernels_ms_per_step"].items())[:8]:
+            print(f"   {v:8.3f} ms  {k[:100]}")
+
+
+if __name__ == "__main__":
+    main()

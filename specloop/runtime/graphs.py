@@ -1,0 +1,113 @@
+"""CUDA graphs of one loop pass, for a ladder of row-count buckets.
+
+A forward call's loop is thousands of small kernels; on the H200 host (9-12 us per eager
+op) launching them costs more than running them at small batches. Each bucket b gets one
+graph of a whole loop pass over b rows (every layer with its attention, the end-of-loop
+norm, adaptive exit with LAST_EXITED inheritance, the slot-storage writes), captured at
+start-up over stable-address inputs:
+
+- a pass block in the `PassLayout` of b rows (positions, depths, token slots, page-table
+  offsets, query tiles, planes), which a replay fills with one device copy of the block the
+  forward batch uploaded (padding rows included: they name the pad token slot and the pad
+  table entry, whose page is a sink, and tiles of 0 rows, so they write only sinks);
+- the page tables, copied once per call into a buffer whose last entry is the sink page;
+- the pass's input hidden rows.
+
+Nothing batch-specific is a constant of the graph: sizes come from the bucket, values from
+the buffers, and split-KV is fixed per bucket (the kernel splits the keys it finds).
+Passes whose groups need the kernel's large tiles (prompt chunks) or more rows than the
+largest bucket run eager, as do the heads and sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from specloop.kernels.paged_attention import choose_splits
+from specloop.runtime.forward_batch import LoopPass, PassLayout, pad_block, pass_view
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class _Graph:
+    def __init__(self, layout: PassLayout, block: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.layout = layout
+        self.block = block
+        self.hidden = hidden
+        self.out: torch.Tensor | None = None
+        self.graph = torch.cuda.CUDAGraph()
+
+
+class LoopGraphs:
+    """Captures and replays loop passes; `run_pass(lp, hidden)` is the eager body it captures."""
+
+    def __init__(self, run_pass: Callable[[LoopPass, torch.Tensor], torch.Tensor], buckets: tuple[int, ...],
+                 hidden_size: int, dtype: torch.dtype, planes: int, tile_rows: int, num_kv_heads: int,
+                 max_context: int, max_tables: int, sink_page: int, pad_slot: int, page_size: int,
+                 device: torch.device) -> None:
+        self.run_pass = run_pass
+        self.buckets = buckets
+        self.tile_rows = tile_rows
+        self.page_size = page_size
+        self.device = device
+        self.tables = torch.zeros(max_tables + 1, dtype=torch.long, device=device)
+        self.tables[max_tables] = sink_page  # the pad table entry
+        self.pad_slot, self.pad_table = pad_slot, max_tables
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.splits = {b: choose_splits(b, num_kv_heads, max_context, sms) for b in buckets}
+        self.graphs: dict[int, _Graph] = {}
+        self._hidden_size, self._dtype, self._planes = hidden_size, dtype, planes
+        self.replays = 0  # passes run through a graph (tests count them)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool; logs time and memory."""
+        start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):
+            layout = PassLayout(b, self._planes)
+            g = _Graph(layout, pad_block(layout, self.pad_slot, self.pad_table, self.device),
+                       torch.zeros(b, self._hidden_size, dtype=self._dtype, device=self.device))
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                for _ in range(2):
+                    self._body(g)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            with torch.cuda.graph(g.graph, pool=pool):
+                g.out = self._body(g)
+            self.graphs[b] = g
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs of a loop pass (buckets %s rows) in %.2f s, %.0f MiB of graph memory",
+                 len(self.graphs), ",".join(map(str, sorted(self.graphs))), time.perf_counter() - start,
+                 (torch.cuda.memory_reserved(self.device) - before) / 2**20)
+
+    def _body(self, g: _Graph) -> torch.Tensor:
+        b = g.layout.bucket
+        lp = pass_view(g.layout, g.block, self.tables, self.page_size, b, [], self.tile_rows, b,
+                       num_splits=self.splits[b])
+        return self.run_pass(lp, g.hidden)
+
+    def fits(self, lp: LoopPass) -> bool:
+        return lp.bucket in self.graphs and lp.num_rows > 0 and (lp.tile_rows == self.tile_rows or not lp.groups)
+
+    def load_tables(self, tables: torch.Tensor) -> None:
+        """The call's page tables into the graphs' table buffer (once per call)."""
+        self.tables[: tables.numel()].copy_(tables)
+
+    def replay(self, lp: LoopPass, hidden: torch.Tensor) -> torch.Tensor:
+        """Run pass `lp` through its bucket's graph; returns a view of the graph's output
+        (valid until the next replay of that bucket: stream order protects readers enqueued
+        before it)."""
+        g = self.graphs[lp.bucket]
+        g.block.copy_(lp.block)
+        g.hidden[: lp.num_rows].copy_(hidden)
+        g.graph.replay()
+        self.replays += 1
+        return g.out[: lp.num_rows]
