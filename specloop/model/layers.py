@@ -14,6 +14,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from specloop.config import ModelConfig
+from specloop.kernels import norms
+from specloop.kernels.rope import rope_
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the layer's fused Triton kernels (`specloop.kernels.norms`) replace its torch
+    ops: on CUDA, in fp32/bf16/fp16, without autograd (training keeps the torch ops, which
+    have a backward; on CPU the interpreter would be far slower than torch)."""
+    return x.is_cuda and x.dtype in norms.DTYPES and not torch.is_grad_enabled()
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +37,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x):
+            return norms.rms_norm(x, self.weight, self.eps)
+        return self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.weight * F.rms_norm(x32, x32.shape[-1:], None, self.eps).to(x.dtype)
+
+    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """h + self(x): the sandwich norm's residual add, one kernel where kernels run."""
+        if use_kernels(x):
+            return norms.add_rms_norm(h, x, self.weight, self.eps)
+        return h + self.torch_forward(x)
 
 
 class Rotary(nn.Module):
@@ -107,10 +127,20 @@ class SelfAttention(nn.Module):
         self.fused = True
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        backend: AttentionBackend, layer: int,
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+        backend: AttentionBackend, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`rope` (positions, inv_freq) instead of (cos, sin): rotate q and k in place in the
+        fused qkv output with one kernel (`specloop.kernels.rope`)."""
         n = x.shape[0]
+        if rope is not None:
+            qkv = self.qkv_proj(x)
+            heads = self.num_heads + self.num_kv_heads
+            rope_(qkv[:, : heads * self.head_dim].view(n, heads, self.head_dim), *rope)
+            q, k, v = qkv.split(self._qkv_sizes, dim=-1)
+            out = backend.attend(layer, q.view(n, self.num_heads, self.head_dim),
+                                 k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim))
+            return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
         if self.fused:
             # Views into one [N, (Hq + 2 Hkv) D] output: rows strided, head dim contiguous.
             q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
@@ -147,7 +177,10 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = self.gate_up_proj(x).split(self._intermediate, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if use_kernels(gate_up):
+                return self.down_proj(norms.silu_mul(gate_up))
+            gate, up = gate_up.split(self._intermediate, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -167,10 +200,10 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        backend: AttentionBackend, layer: int,
+        self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+        backend: AttentionBackend, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, backend, layer)
-        h = h + self.input_layernorm_2(attn)
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, backend, layer, rope)
+        h = self.input_layernorm_2.add_to(h, attn)
         mlp = self.mlp(self.post_attention_layernorm(h))
-        return h + self.post_attention_layernorm_2(mlp)
+        return self.post_attention_layernorm_2.add_to(h, mlp)

@@ -14,7 +14,7 @@ from torch import nn
 
 from specloop.config import ModelConfig
 from specloop.model.exit_gate import exit_lambda
-from specloop.model.layers import AttentionBackend, OuroLayer, RMSNorm, Rotary
+from specloop.model.layers import AttentionBackend, OuroLayer, RMSNorm, Rotary, use_kernels
 
 
 class OuroBody(nn.Module):
@@ -68,10 +68,14 @@ class OuroModel(nn.Module):
         previous loop's normed output otherwise); positions [N] are absolute. The backend
         knows each row's depth plane. Returns the normed output [N, H].
         """
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        rope = cos = sin = None
+        if self.fused and use_kernels(hidden):  # RoPE in one kernel, in place in each layer's qkv
+            rope = (positions, self.rotary.inv_freq)
+        else:
+            cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         h = hidden
         for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, backend, index)
+            h = layer(h, cos, sin, backend, index, rope)
         return self.model.norm(h)
 
     def exit_lambda(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from specloop.kernels.kv_write import kv_write, kv_write_reference
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class PagedKV:
     name = "bf16-pages"
@@ -30,12 +34,12 @@ class PagedKV:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               keep: torch.Tensor | None) -> None:
-        """Store rows' K/V; rows where `keep` is true leave the stored value (exited tokens)."""
-        if keep is not None:
-            k = torch.where(keep[:, None, None], self.k[layer, slots], k)
-            v = torch.where(keep[:, None, None], self.v[layer, slots], v)
-        self.k[layer, slots] = k
-        self.v[layer, slots] = v
+        """Store rows' K/V; rows where `keep` is true leave the stored value (exited tokens).
+        One Triton launch on CUDA (`specloop.kernels.kv_write`), its torch reference elsewhere."""
+        if k.is_cuda and k.dtype in KERNEL_DTYPES:
+            kv_write(self.k[layer], self.v[layer], slots, k, v, keep)
+        else:
+            kv_write_reference(self.k[layer], self.v[layer], slots, k, v, keep)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any shape) of one layer: [*slots.shape, Hkv, D]."""
