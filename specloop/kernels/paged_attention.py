@@ -24,9 +24,11 @@ KV head), so GQA heads and a verification's rows share every key tile that is lo
 Split-KV (flash decoding): `num_splits` programs per (tile, KV head) each take an equal
 share of the tile's keys [0, max position + 1) and write a partial output and its
 log-sum-exp; a second kernel combines them. That is what fills the GPU at batch 1 and at
-long contexts. Softmax statistics are fp32; QK runs on tensor cores in the input dtype
-with fp32 accumulation, PV too for large (prompt-chunk) tiles, while small tiles keep the
-probabilities in fp32 for an IEEE fp32 PV product (fp32 inputs use IEEE fp32 throughout). Under
+long contexts. Softmax statistics are fp32; QK and PV run on tensor cores in the input
+dtype with fp32 accumulation, the probabilities rounded to that dtype for PV as flash
+attention does (fp32 inputs use IEEE fp32 products). An IEEE fp32 PV product for bf16
+decodes measured 2.6x slower attention at batch 32 on the H200 for no gain in the
+logprob error (bench/results/model_check_ouro-1.4b.json), so it is not used. Under
 `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the interpreter's bf16 dot
 is wrong, ../shared/docs/gpu.md).
 """
@@ -51,7 +53,7 @@ def _attention_kernel(
     num_heads, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr, PV_FP32: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,7 +102,7 @@ def _attention_kernel(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32 or PV_FP32:
+            if DOT_FP32:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
@@ -190,16 +192,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o = torch.empty(n * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n * num_heads * num_splits, dtype=torch.float32, device=q.device)
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
-    # Small tiles (decodes, verifications) are bandwidth-bound: there the probabilities stay
-    # fp32 for the PV product (no rounding of p to bf16), as in the torch backend's decode.
-    pv_fp32 = tile_rows * bg <= 16
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, tables, positions, tiles, out, lse_arg, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         num_heads, head_dim ** -0.5,
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
-        BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=num_splits, DOT_FP32=dot_fp32, PV_FP32=pv_fp32,
+        BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=num_splits, DOT_FP32=dot_fp32,
         WRITE_LSE=return_lse,
     )
     if num_splits > 1:
