@@ -5,7 +5,7 @@
 Each layer stores its rows' K/V into the paged pool; in torch that is an index_put for K
 and one for V, plus two gathers and two selects when adaptive exit keeps exited tokens'
 stored values (`keep`): two to six kernels per layer, a few microseconds each at batch 1
-(bench/results/profile_decode_h200.json). One program per row copies the row's K and V
+(bench/results/profile_decode_h200_graphs.json). One program per row copies the row's K and V
 (reading them straight from the strided views into the fused qkv output) unless `keep`
 says the token exited, whose slot then keeps what it holds.
 

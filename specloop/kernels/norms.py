@@ -5,7 +5,7 @@
     a = silu_mul(gate_up)                 # silu(gate) * up, gate_up = [gate | up]
 
 At batch 1 a decode step is thousands of tiny kernels, each a few microseconds of GPU
-time however little it does (bench/results/profile_decode_h200.json): the layer's four
+time however little it does (bench/results/profile_decode_h200_graphs.json): the layer's four
 norms were 16 kernels (cast up, normalise, cast down, scale; the residual adds two more)
 and the MLP's activation two. Each kernel here is one launch and reproduces the model's
 rounding exactly: the variance and normalisation in fp32, the result rounded to the input
