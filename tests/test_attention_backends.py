@@ -18,49 +18,23 @@ from specloop.engine.core import EngineCore
 from specloop.errors import ConfigError
 from specloop.runtime.attention import TorchAttention, TritonAttention, make_backend
 from specloop.runtime.kv_format import PagedKV
-from specloop.sampling_params import SamplingParams
+from tests.engine_runs import MODES, Outputs, assert_same, run_staggered
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MODES = {
-    "plain": {},
-    "exit": {"exit_threshold": 0.5},
-    "block-d1": {"speculation": "block", "num_speculative_tokens": 3, "draft_loops": 1},
-    "block-d2": {"speculation": "block", "num_speculative_tokens": 2, "draft_loops": 2},
-    "pipeline-d1": {"speculation": "pipeline", "draft_loops": 1},
-    "pipeline-d2": {"speculation": "pipeline", "draft_loops": 2},
-}
 PROMPTS = [[5, 9, 2], list(range(3, 40)), [7] * 11]
 
 
-def _run(ckpt, backend: str, mode: dict) -> dict[str, tuple[list[int], list[float]]]:
+def _run(ckpt, backend: str, mode: dict) -> Outputs:
     engine = EngineCore(EngineConfig.from_kwargs(
         str(ckpt), device=DEVICE, dtype="float32", attention_backend=backend, block_size=4,
         max_num_batched_tokens=24, max_num_seqs=4, **mode))
     assert engine.backend.name == backend
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
-    sampled = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True, logprobs=True)
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    pending = list(enumerate(PROMPTS))
-    while pending or engine.has_unfinished():
-        if pending:  # one arrival per step: prefill beside decodes
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, sampled if i == 2 else greedy)
-        for o in engine.step():
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
-    assert engine.kv.num_free_pages == engine.kv.num_pages
-    return out
+    return run_staggered(engine, PROMPTS, max_tokens=6, sampled=2, seed=11)
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
 def test_triton_backend_equals_torch_backend(tiny_ckpt, mode):
-    want = _run(tiny_ckpt, "torch", MODES[mode])
-    got = _run(tiny_ckpt, "triton", MODES[mode])
-    assert set(got) == set(want)
-    for rid in want:
-        assert got[rid][0] == want[rid][0], rid
-        torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(want[rid][1]), atol=1e-4, rtol=1e-4)
+    assert_same(_run(tiny_ckpt, "triton", MODES[mode]), _run(tiny_ckpt, "torch", MODES[mode]), 1e-4)
 
 
 def test_mha_checkpoint(tiny_mha_ckpt):

@@ -16,48 +16,19 @@ import torch
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.runtime.graphs import DEFAULT_BUCKETS
-from specloop.sampling_params import SamplingParams
+from tests.engine_runs import MODES, Outputs, assert_same, run_staggered
 
-MODES = {
-    "plain": {},
-    "exit": {"exit_threshold": 0.5},
-    "block-d1": {"speculation": "block", "num_speculative_tokens": 3, "draft_loops": 1},
-    "block-d2": {"speculation": "block", "num_speculative_tokens": 2, "draft_loops": 2},
-    "pipeline-d1": {"speculation": "pipeline", "draft_loops": 1},
-    "pipeline-d2": {"speculation": "pipeline", "draft_loops": 2},
-}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PROMPTS = [[5, 9, 2], list(range(3, 80)), [7] * 11, list(range(200, 140, -1)), [1]]
 
 
-def _run(engine: EngineCore) -> dict[str, tuple[list[int], list[float]]]:
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True)
-    sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, logprobs=True)
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    prompts = [[5, 9, 2], list(range(3, 80)), [7] * 11, list(range(200, 140, -1)), [1]]
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished():
-        if pending:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, sampled if i == 2 else greedy)
-        for o in engine.step():
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
-    assert engine.kv.num_free_pages == engine.kv.num_pages
-    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
-    return out
+def _run(engine: EngineCore) -> Outputs:
+    return run_staggered(engine, PROMPTS, max_tokens=16, sampled=2, seed=7)
 
 
 def _engine(ckpt, device: str, **options) -> EngineCore:
     return EngineCore(EngineConfig.from_kwargs(str(ckpt), device=device, dtype="float32", block_size=4,
                                                max_num_batched_tokens=64, max_num_seqs=8, **options))
-
-
-def _same(got, want) -> None:
-    assert set(got) == set(want)
-    for rid in want:
-        assert got[rid][0] == want[rid][0], rid
-        torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(want[rid][1]), atol=1e-4, rtol=1e-4)
 
 
 @cuda
@@ -67,7 +38,7 @@ def test_graph_replay_equals_eager(any_ckpt, mode):
     engine = _engine(any_ckpt, "cuda", **MODES[mode])
     graphs = engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs
-    _same(_run(engine), want)
+    assert_same(_run(engine), want, 1e-4)
     assert graphs.replays > 0
 
 
@@ -83,4 +54,4 @@ def test_padded_pass_blocks_read_like_unpadded_ones(tiny_ckpt, mode):
     want = _run(_engine(tiny_ckpt, "cpu", **MODES[mode]))
     engine = _engine(tiny_ckpt, "cpu", **MODES[mode])
     engine.executor.runner.batches.buckets = DEFAULT_BUCKETS[:6]
-    _same(_run(engine), want)
+    assert_same(_run(engine), want, 1e-4)

@@ -1,0 +1,49 @@
+"""Shared by the tests that run one engine two ways and compare what it emits (attention
+backends, multi-loop plans, CUDA graphs): the execution modes, a staggered run, the check."""
+
+from __future__ import annotations
+
+import torch
+
+from specloop.engine.core import EngineCore
+from specloop.sampling_params import SamplingParams
+
+MODES = {
+    "plain": {},
+    "exit": {"exit_threshold": 0.5},
+    "block-d1": {"speculation": "block", "num_speculative_tokens": 3, "draft_loops": 1},
+    "block-d2": {"speculation": "block", "num_speculative_tokens": 2, "draft_loops": 2},
+    "pipeline-d1": {"speculation": "pipeline", "draft_loops": 1},
+    "pipeline-d2": {"speculation": "pipeline", "draft_loops": 2},
+}
+Outputs = dict[str, tuple[list[int], list[float]]]
+
+
+def run_staggered(engine: EngineCore, prompts: list[list[int]], max_tokens: int, sampled: int = 1,
+                  seed: int = 5) -> Outputs:
+    """One arrival per step (prefill beside decodes), greedy except request `sampled`
+    (seeded, top-p); every page and token slot must return. Tokens and logprobs per request."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
+    seeded = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=seed, ignore_eos=True,
+                            logprobs=True)
+    out: Outputs = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, seeded if i == sampled else greedy)
+        for o in engine.step():
+            tokens, logprobs = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    return out
+
+
+def assert_same(got: Outputs, want: Outputs, tol: float) -> None:
+    """The same tokens per request, logprobs within `tol`."""
+    assert set(got) == set(want)
+    for rid in want:
+        assert got[rid][0] == want[rid][0], rid
+        torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(want[rid][1]), atol=tol, rtol=tol)
