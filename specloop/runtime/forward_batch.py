@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 
 import torch
 
@@ -81,15 +82,17 @@ class HeadSegment:
 
 @dataclasses.dataclass
 class LoopPass:
-    """One loop over rows [0, num_rows) of the batch: what the attention backend reads."""
+    """One loop over rows [0, num_rows) of the batch: what the attention backend reads.
+
+    KV slots are computed on the device when first read: a pass a CUDA graph replays never
+    reads them here (the graph computes its own), which saves the ops on the host."""
 
     num_rows: int
     positions: torch.Tensor  # [N_p] long
     depths: torch.Tensor  # [N_p] long: each row's depth at this pass
     tables: torch.Tensor  # [T] long: page ids (the batch's)
     table_offsets: torch.Tensor  # [N_p] long: where each row's page table at this depth starts in `tables`
-    write_slots: torch.Tensor  # [N_p] long: each row's KV slot at this depth (computed on the device)
-    deeper_slots: torch.Tensor | None  # [N_p, R] long: KV slot in each plane, -1 where none (adaptive exit)
+    planes: torch.Tensor | None  # [N_p, R] long: each plane's page-table offset, -1 where none (adaptive exit)
     groups: list[GroupShape]  # the pass's groups, in row order
     page_size: int
     tiles: torch.Tensor | None = None  # [M, 3] long: query tiles, when the builder cuts them
@@ -98,6 +101,19 @@ class LoopPass:
     block: torch.Tensor | None = None  # the pass's padded block in the device buffer (`PassLayout`)
     bucket: int = 0  # rows of the block (N_p padded up to a graph bucket, or N_p)
     num_splits: int | None = None  # split-KV fixed by the caller (a CUDA graph); None: the backend picks
+
+    @functools.cached_property
+    def write_slots(self) -> torch.Tensor:
+        """[N_p] long: each row's KV slot at this depth."""
+        return _kv_slots(self.tables, self.table_offsets, self.positions, self.page_size)
+
+    @functools.cached_property
+    def deeper_slots(self) -> torch.Tensor | None:
+        """[N_p, R] long: each row's KV slot in every plane, -1 where none (adaptive exit)."""
+        if self.planes is None:
+            return None
+        slots = _kv_slots(self.tables, self.planes.clamp(min=0), self.positions[:, None], self.page_size)
+        return torch.where(self.planes >= 0, slots, torch.full_like(slots, -1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,19 +347,13 @@ class ForwardBatchBuilder:
 def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, page_size: int, rows: int,
               shapes: list[GroupShape], tile_rows: int, num_tiles: int | None,
               num_splits: int | None = None) -> LoopPass:
-    """The `LoopPass` of a block: views of its first `rows` rows, KV slots computed on the
-    device (a CUDA graph calls this inside its capture, with every row of the bucket)."""
+    """The `LoopPass` of a block: views of its first `rows` rows (a CUDA graph calls this
+    inside its capture, with every row of the bucket)."""
     v = layout.views(block)
-    positions, offsets = v["positions"][:rows], v["table_offsets"][:rows]
-    deeper = None
-    if layout.planes:
-        planes = v["planes"][:rows]  # [N_p, R]
-        slots = _kv_slots(tables, planes.clamp(min=0), positions[:, None], page_size)
-        deeper = torch.where(planes >= 0, slots, torch.full_like(slots, -1))
-    return LoopPass(rows, positions, v["depths"][:rows], tables, offsets, _kv_slots(tables, offsets, positions, page_size),
-                    deeper, shapes, page_size, tiles=v["tiles"][:num_tiles] if num_tiles is not None else None,
-                    tile_rows=tile_rows, token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket,
-                    num_splits=num_splits)
+    return LoopPass(rows, v["positions"][:rows], v["depths"][:rows], tables, v["table_offsets"][:rows],
+                    v["planes"][:rows] if layout.planes else None, shapes, page_size,
+                    tiles=v["tiles"][:num_tiles] if num_tiles is not None else None, tile_rows=tile_rows,
+                    token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits)
 
 
 def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.device) -> torch.Tensor:
