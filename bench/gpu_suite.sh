@@ -1,32 +1,36 @@
 #!/usr/bin/env bash
 # The GPU suite and the fast-path benchmarks in one device call (../shared/docs/gpu.md):
 #   bash bench/gpu_suite.sh        (on the device machine, wheels installed, $OUT set)
-# Each step has its own time limit; results land in $OUT, a summary on stdout. PART=1 runs
-# the tests and the model, baseline and profile benchmarks; PART=2 the engine check, the
-# speculation replay and the served load; unset, both (more than one 10-minute call).
+# Each step has its own time limit; results land in $OUT, a summary on stdout. Each PART
+# fits one 10-minute device call: PART=tests the GPU tests; PART=bench the model check,
+# baseline and profile; PART=serve the engine check, the speculation replay and the
+# served load. Unset: all three, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "== $*"; timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -"${TAIL:-14}"; }
 PART=${PART:-all}
-if [ "$PART" != 2 ]; then
-TAIL=6 step 240 python -m pytest -q -x tests/test_kernels_norms.py tests/test_kernels_rope.py \
-  tests/test_kernels_paged_attention.py tests/test_cuda_graphs.py tests/test_attention_backends.py \
-  tests/test_cuda_no_sync.py tests/test_forward_batch.py tests/test_multi_loop.py tests/test_fused_projections.py \
-  tests/test_fused_layer_ops.py tests/test_kernels_kv_write.py
+if [ "$PART" = tests ] || [ "$PART" = all ]; then
+# Two pytest runs (kernels; engine), each with the summary of every failure: one slow or
+# failing file must not hide the others (a single 200 s run timed out in the middle).
+TAIL=30 step 200 python -m pytest -q -rf --tb=line tests/test_kernels_norms.py tests/test_kernels_rope.py \
+  tests/test_kernels_kv_write.py tests/test_kernels_paged_attention.py
+TAIL=30 step 330 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py tests/test_fused_layer_ops.py \
+  tests/test_attention_backends.py tests/test_cuda_no_sync.py tests/test_forward_batch.py tests/test_multi_loop.py \
+  tests/test_fused_projections.py
 fi
+[ "$PART" = tests ] && exit 0
 python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
-if [ "$PART" != 2 ]; then
+if [ "$PART" = bench ] || [ "$PART" = all ]; then
 step 100 python bench/model_check.py --model /tmp/ouro14 --out "$OUT/model_check_ouro-1.4b.json"
 step 150 python bench/baseline.py --model /tmp/ouro14 --out "$OUT/baseline_fast_path_h200.json"
 TAIL=24 step 90 python bench/profile_decode.py --model /tmp/ouro14 --out "$OUT/profile_decode_h200.json"
 fi
-if [ "$PART" != 1 ]; then
+if [ "$PART" = serve ] || [ "$PART" = all ]; then
 TAIL=3 step 60 python bench/engine_gpu_check.py --out "$OUT/engine_gpu_check.json"
 step 120 python bench/acceptance.py --model /tmp/ouro14 --device cuda --dtype bfloat16 --modes block,pipeline \
   --ks 4 --ds 1 --temperatures 0 --prompts 3 --replay bench/results/acceptance_traces.json \
   --out "$OUT/acceptance_ouro-1.4b_replay.json"
-if true; then
   python3 -m server --model /tmp/ouro14 --served-model-name ouro-1.4b-random --port 8000 --log-level warning &
   for _ in $(seq 90); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
   for c in 16 64; do
@@ -36,5 +40,4 @@ if true; then
       --out "$OUT/serve_gpu_ouro-1.4b_c$c.json"
   done
   kill %1
-fi
 fi
