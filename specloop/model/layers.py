@@ -133,23 +133,21 @@ class SelfAttention(nn.Module):
         """`rope` (positions, inv_freq) instead of (cos, sin): rotate q and k in place in the
         fused qkv output with one kernel (`specloop.kernels.rope`)."""
         n = x.shape[0]
-        if rope is not None:
-            qkv = self.qkv_proj(x)
-            heads = self.num_heads + self.num_kv_heads
-            rope_(qkv[:, : heads * self.head_dim].view(n, heads, self.head_dim), *rope)
-            q, k, v = qkv.split(self._qkv_sizes, dim=-1)
-            out = backend.attend(layer, q.view(n, self.num_heads, self.head_dim),
-                                 k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim))
-            return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
         if self.fused:
             # Views into one [N, (Hq + 2 Hkv) D] output: rows strided, head dim contiguous.
-            q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
+            qkv = self.qkv_proj(x)
+            if rope is not None:
+                heads = self.num_heads + self.num_kv_heads
+                rope_(qkv[:, : heads * self.head_dim].view(n, heads, self.head_dim), *rope)
+            q, k, v = qkv.split(self._qkv_sizes, dim=-1)
         else:
+            assert rope is None, "RoPE in place needs the fused qkv output"
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rope is None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.attend(layer, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

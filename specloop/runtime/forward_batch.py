@@ -11,20 +11,19 @@ first, each in plan order. A `LoopPass` per pass holds what attention reads for 
 rows' positions, depths and page-table offsets at that pass, their KV slots, the group
 shapes and query tiles. Views into the device buffer, by segment:
 
-- rows [N]: absolute position (any order; nonconsecutive allowed), depth, request cell,
-  token slot, token id (-1: take it from the request cell), the offset of its own plane's
-  page table in `tables` and, with adaptive exit, of each deeper plane's (-1 where none);
+- rows [N]: request cell, token slot, token id (-1: take it from the request cell);
 - entering rows [E]: rows at depth 0 and the incarnation of their request;
 - heads [H], grouped by head type in plan order: the row the head reads (a sample's or
   draft's last row, a verification's first), the request cell, the result row it fills
   on the host (-1: none), one integer of its own (draft buffer entry, k, candidate entry),
   and the sampling parameters (top_k; temperature, top_p, min_p as fp32);
 - tables [T]: page tables, one per (request cell, plane) in the plan;
-- page-table offsets of passes 1.. (each pass's rows at their depth at that pass);
-- query tiles [M, 3], when the backend asks for them: (first row, rows, table offset) for
-  runs of at most `tile_rows` rows of one group (what the Triton attention kernel launches
-  over); `tile_rows` is the backend's small size when every group fits in it (decodes,
-  verifications), its large size otherwise (prompt chunks).
+- one block per loop pass (`PassLayout`, padded up to a graph bucket when graphs are on):
+  the pass's rows' absolute positions (any order; nonconsecutive allowed), depths, token
+  slots and page-table offsets at that pass, its query tiles when the backend asks for
+  them ((first row, rows, table offset) for runs of at most `tile_rows` rows of one group:
+  the backend's small size when every group fits in it, its large size otherwise), and
+  with adaptive exit every plane's page-table offset (-1 where none).
 
 KV slots are computed on the device from page tables and positions: slot = page *
 page_size + position % page_size. Host-side summaries (row counts, group shapes, head

@@ -95,7 +95,8 @@ class LoopGraphs:
         return self.run_pass(lp, g.hidden)
 
     def fits(self, lp: LoopPass) -> bool:
-        return lp.bucket in self.graphs and lp.num_rows > 0 and (lp.tile_rows == self.tile_rows or not lp.groups)
+        """A pass replays when its rows fill a captured bucket and its tiles are the small ones."""
+        return lp.bucket in self.graphs and lp.tile_rows == self.tile_rows
 
     def load_tables(self, tables: torch.Tensor) -> None:
         """The call's page tables into the graphs' table buffer (once per call)."""
