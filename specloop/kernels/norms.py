@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from specloop.kernels import DTYPES
 
 
 @triton.jit

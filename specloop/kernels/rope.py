@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from specloop.kernels import DTYPES
 _MAX_TILE = 4096  # elements of one (heads x half dim) tile: bounds registers for wide rows
 
 
@@ -95,7 +95,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> t
     One program per row; no host sync."""
     assert x.dim() == 3, "x must be [N, H, D]"
     n, num_heads, head_dim = x.shape
-    assert x.dtype in _DTYPES, f"rope_ supports fp32, bf16 and fp16 inputs, not {x.dtype}"
+    assert x.dtype in DTYPES, f"rope_ supports fp32, bf16 and fp16 inputs, not {x.dtype}"
     assert head_dim % 2 == 0, f"the head dim must be even, got {head_dim}"
     assert x.stride(2) == 1, "the head dim of x must be contiguous (stride(2) == 1)"
     half = head_dim // 2

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specloop.config import ModelConfig
-from specloop.kernels import norms
+from specloop.kernels import DTYPES as KERNEL_DTYPES, norms
 from specloop.kernels.rope import rope_
 
 
@@ -22,7 +22,7 @@ def use_kernels(x: torch.Tensor) -> bool:
     """Whether the layer's fused Triton kernels (`specloop.kernels.norms`) replace its torch
     ops: on CUDA, in fp32/bf16/fp16, without autograd (training keeps the torch ops, which
     have a backward; on CPU the interpreter would be far slower than torch)."""
-    return x.is_cuda and x.dtype in norms.DTYPES and not torch.is_grad_enabled()
+    return x.is_cuda and x.dtype in KERNEL_DTYPES and not torch.is_grad_enabled()
 
 
 class RMSNorm(nn.Module):

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from specloop.kernels import DTYPES as KERNEL_DTYPES
 from specloop.kernels.kv_write import kv_write, kv_write_reference
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class PagedKV:
