@@ -62,24 +62,27 @@ def test_padded_pass_blocks_read_like_unpadded_ones(tiny_ckpt, mode):
 def test_padding_rows_write_only_the_sinks(tiny_ckpt, mode):
     """What a graph is captured on and what padding rows of every replay do: a pass of
     padding rows only (through the Triton backend, on CPU under the interpreter) changes no
-    KV page but the sink page and no token slot but the pad slot."""
+    KV page but the sink page and no token slot but the pad slot. On the GPU where there is one
+    (the interpreter is on only without CUDA)."""
     from specloop.runtime.forward_batch import PassLayout, pad_block, pass_view
 
-    engine = _engine(tiny_ckpt, "cpu", attention_backend="triton", **MODES[mode])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    engine = _engine(tiny_ckpt, device.type, attention_backend="triton", enforce_eager=True,
+                     num_kv_pages=256, **MODES[mode])
     engine.add_request("r", list(range(3, 20)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.drain()  # the pool and the slots hold real values
     runner, batches = engine.executor.runner, engine.executor.runner.batches
     kv, slots = runner.backend.kv, runner.slots
     sink_page, pad_slot = engine.kv.num_pages, batches.pad_slot
-    tables = torch.zeros(batches.max_tables + 1, dtype=torch.long)
+    tables = torch.zeros(batches.max_tables + 1, dtype=torch.long, device=device)
     tables[batches.pad_table] = sink_page
     layout = PassLayout(4, runner.num_loops if runner.adaptive_exit else 0)
-    lp = pass_view(layout, pad_block(layout, pad_slot, batches.pad_table, torch.device("cpu")), tables,
+    lp = pass_view(layout, pad_block(layout, pad_slot, batches.pad_table, device), tables,
                    kv.page_size, 4, [], runner.backend.tile_rows[0], 4, num_splits=1)
     k_before, v_before, hidden_before = kv.k.clone(), kv.v.clone(), slots.hidden.clone()
-    runner.run_pass(lp, torch.randn(4, slots.hidden.shape[1]))
+    runner.run_pass(lp, torch.randn(4, slots.hidden.shape[1], device=device))
     sink = slice(sink_page * kv.page_size, (sink_page + 1) * kv.page_size)
-    outside = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    outside = torch.ones(kv.k.shape[1], dtype=torch.bool, device=device)
     outside[sink] = False
     assert torch.equal(kv.k[:, outside], k_before[:, outside]) and torch.equal(kv.v[:, outside], v_before[:, outside])
     assert not torch.equal(kv.k[:, sink], k_before[:, sink])  # the padding rows did write, into the sink

@@ -10,7 +10,10 @@ norms were 16 kernels (cast up, normalise, cast down, scale; the residual adds t
 and the MLP's activation two. Each kernel here is one launch and reproduces the model's
 rounding exactly: the variance and normalisation in fp32, the result rounded to the input
 dtype, then the weight product and the residual add each rounded to that dtype (what the
-torch ops of `specloop.model.layers` do one kernel at a time).
+torch ops of `specloop.model.layers` do one kernel at a time). The norm kernel compiles
+without FMA contraction (`enable_fp_fusion=False`): with it, the compiler fuses the weight
+product and the residual add into one fused multiply-add with a single rounding, and 29% of
+bf16 and fp16 results came out one ulp away from the model's ops on the H200.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](x, weight, x, out, x.stride(0), 0, out.stride(0), x.shape[1], eps,
-                                        ADD=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+                                        ADD=False, BLOCK=triton.next_power_of_2(x.shape[1]), enable_fp_fusion=False)
     return out
 
 
@@ -72,7 +75,7 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: fl
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](x, weight, h, out, x.stride(0), h.stride(0), out.stride(0), x.shape[1], eps,
-                                        ADD=True, BLOCK=triton.next_power_of_2(x.shape[1]))
+                                        ADD=True, BLOCK=triton.next_power_of_2(x.shape[1]), enable_fp_fusion=False)
     return out
 
 
