@@ -12,6 +12,10 @@ the wait.
 If the engine dies (a forward call raised), a watchdog lets in-flight requests send their
 error responses for `ENGINE_DEATH_GRACE_S`, then stops the server; the process exits 1, so a
 supervisor restarts it instead of leaving a server that answers every request with 503.
+
+Test-only: $SPECLOOP_FAULTS arms `specloop.engine.faults` on the engine (forward call N
+raises, say), so tests can watch a real server process die; a malformed value is an
+`error:` line (exit 2) before the model loads.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import uvicorn
 
 from server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
+from specloop.engine import faults
 from specloop.engine.async_engine import AsyncEngine
 from specloop.errors import ConfigError
 
@@ -65,7 +70,10 @@ def serve(opts: ServeOptions) -> int:
     try:
         model = opts.model or default_model()
         name, aliases = served_names(opts.model, model, opts.served_model_name, default_model())
+        injected = faults.from_env()  # test-only; None unless $SPECLOOP_FAULTS is set
         engine = AsyncEngine.from_options(model, **opts.engine_options)
+        if injected is not None:  # before listening: the engine thread is idle, no step runs
+            faults.install(engine.core, injected)
     except BaseException:
         sock.close()
         raise

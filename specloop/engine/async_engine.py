@@ -151,8 +151,11 @@ class AsyncEngine:
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is left, stop the thread and wait for it."""
-        if self._thread.is_alive() and not self._stopping.is_set():
-            await self._call(self._abort_all)
+        if self.is_alive:
+            try:
+                await self._call(self._abort_all)
+            except EngineDeadError:  # it died meanwhile, and every stream got the error
+                pass
         self._stopping.set()
         self.tokenizer_pool.shutdown()
         self._commands.put((lambda: None, concurrent.futures.Future()))
@@ -168,6 +171,8 @@ class AsyncEngine:
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
+        if self.error is not None:  # the engine thread died after the caller's check: answer here
+            self._fail_pending(self.error)
         return future
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
