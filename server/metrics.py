@@ -155,6 +155,8 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("specloop_kv_cache_pages", "KV pages in the pool.", s.num_kv_pages)
         yield GaugeMetricFamily("specloop_engine_alive", "1 while the engine serves, 0 once it stopped.",
                                 1.0 if self._engine.is_alive else 0.0)
+        yield CounterMetricFamily("specloop_num_preemptions", "Running requests preempted (KV pages ran out).",
+                                  s.num_preemptions)
         yield CounterMetricFamily("specloop_spec_decode_num_drafts", "Speculation rounds committed.", s.num_drafts)
         yield CounterMetricFamily("specloop_spec_decode_num_draft_tokens", "Draft tokens proposed.",
                                   s.num_draft_tokens)
@@ -172,6 +174,7 @@ class _EngineCollector(Collector):
                 ("vllm:num_requests_running", GaugeMetricFamily, "Requests being computed.", s.running),
                 ("vllm:num_requests_waiting", GaugeMetricFamily, "Requests waiting to be computed.", s.waiting),
                 ("vllm:kv_cache_usage_perc", GaugeMetricFamily, "KV-cache usage; 1 means 100 percent.", s.kv_usage),
+                ("vllm:num_preemptions", CounterMetricFamily, "Cumulative number of preemptions.", s.num_preemptions),
                 ("vllm:spec_decode_num_drafts", CounterMetricFamily, "Speculation rounds.", s.num_drafts),
                 ("vllm:spec_decode_num_draft_tokens", CounterMetricFamily, "Draft tokens.", s.num_draft_tokens),
                 ("vllm:spec_decode_num_accepted_tokens", CounterMetricFamily, "Accepted draft tokens.",

@@ -116,9 +116,29 @@ def test_ensure_grows_all_planes_equally_and_never_shrinks():
     assert kv.num_free_pages == 24
     kv.ensure("r", 9)
     assert [kv.page_table("r", p) for p in range(4)] == [[0, 1, 8], [2, 3, 9], [4, 5, 10], [6, 7, 11]]
-    with pytest.raises(ValueError):
-        kv.ensure("r", 17)  # beyond the reservation of 16 positions
-    assert kv.coverage("r") == 12
+    kv.ensure("r", 17)  # beyond the reservation of 16 positions: from unclaimed pages
+    assert kv.coverage("r") == 20 and kv.num_reserved_pages == 0
+    assert not kv.can_ensure("r", 17 + 4 * 4) and kv.can_ensure("r", 17 + 3 * 4)
+    with pytest.raises(OutOfPages):
+        kv.ensure("r", 17 + 4 * 4)  # 4 more pages per plane; 12 are free
+    assert kv.coverage("r") == 20 and kv.num_free_pages == 12  # a refused ensure changes nothing
+
+
+def test_admission_by_need_grows_from_the_free_pool_and_runs_out():
+    """Without a reservation (admission by need) tables grow while free pages last; another
+    request's reservation is never drawn on."""
+    kv = KVManager(num_planes=2, block_size=4, num_pages=10, page_bytes=1)
+    kv.add_request("held", 8)  # reserves 4 pages
+    kv.add_request("r")
+    assert kv.pages_to_cover("r", 9) == 6 and kv.can_ensure("r", 9)
+    kv.ensure("r", 9)
+    assert kv.num_free_pages == 4 and kv.num_available_pages == 0
+    with pytest.raises(OutOfPages):
+        kv.ensure("r", 13)  # the 4 free pages are "held"'s
+    kv.ensure("held", 8)
+    assert kv.num_free_pages == 0 and kv.num_reserved_pages == 0
+    kv.free("r")
+    assert kv.num_available_pages == 6
 
 
 def test_page_table_is_a_copy():
@@ -316,8 +336,11 @@ class _Model:
     def pages_for(self, n: int) -> int:
         return self.planes * -(-n // self.bs)
 
+    def outstanding(self, rid: str) -> int:
+        return max(0, self.reserved[rid] - sum(map(len, self.tables[rid])))
+
     def available(self) -> int:
-        return self.num_pages - sum(self.reserved.values())
+        return len(self.free) - sum(self.outstanding(r) for r in self.reserved)
 
     def add(self, rid: str, n: int) -> None:
         self.reserved[rid] = self.pages_for(n)
@@ -352,7 +375,7 @@ def _check_invariants(kv: KVManager, model: _Model) -> None:
     assert len(set(held)) == len(held), "a page is held twice"
     assert sorted(held + free) == list(range(kv.num_pages))
     assert all(alloc.refcount(p) == 1 for p in held) and all(alloc.refcount(p) == 0 for p in free)
-    outstanding = sum(model.reserved.values()) - len(held)
+    outstanding = sum(model.outstanding(rid) for rid in model.reserved)
     assert kv.num_reserved_pages == outstanding <= kv.num_free_pages
     assert kv.num_available_pages == model.available()
     assert kv.usage == pytest.approx(1 - model.available() / kv.num_pages)
@@ -362,7 +385,6 @@ def _check_invariants(kv: KVManager, model: _Model) -> None:
         assert [kv.page_table(rid, p) for p in range(kv.num_planes)] == tables
         assert [kv.frontier(rid, p) for p in range(kv.num_planes)] == model.frontiers[rid]
         assert kv.bytes_used(rid) == sum(map(len, tables)) * kv.page_bytes
-        assert len(tables[0]) * kv.num_planes <= model.reserved[rid]
 
 
 def _random_step(kv: KVManager, model: _Model, rng: random.Random, reserve: dict[str, int]) -> str | None:
@@ -388,11 +410,15 @@ def _random_step(kv: KVManager, model: _Model, rng: random.Random, reserve: dict
         return None
     rid = rng.choice(sorted(model.tables))
     if op == "ensure":
-        n = rng.randint(0, reserve[rid] + kv.block_size)
-        if model.pages_for(n) > model.reserved[rid]:
-            with pytest.raises(ValueError):
+        n = rng.randint(0, reserve[rid] + 3 * kv.block_size)
+        grow = max(0, model.pages_for(n) - sum(map(len, model.tables[rid])))
+        assert kv.pages_to_cover(rid, n) == grow
+        if grow > model.outstanding(rid) + model.available():
+            assert not kv.can_ensure(rid, n)
+            with pytest.raises(OutOfPages):
                 kv.ensure(rid, n)
         else:
+            assert kv.can_ensure(rid, n)
             kv.ensure(rid, n)
             model.ensure(rid, n)
     elif op == "advance":

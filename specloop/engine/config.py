@@ -13,6 +13,7 @@ from typing import Any
 from specloop.errors import ConfigError
 
 SPECULATION_MODES = ("none", "block", "pipeline")
+PREEMPTION_MODES = ("recompute",)  # swap (snapshot to host memory) comes with snapshot/restore
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -39,6 +40,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k: candidates drafted per round
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
+    preemption_mode: str = "recompute"  # when KV pages run out: drop the latest request's KV, re-enter it later
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -54,6 +56,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                              f"got {self.preemption_mode!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ConfigError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

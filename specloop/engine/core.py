@@ -67,6 +67,7 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()  # rounds whose candidate i was accepted
+    num_preemptions: int = 0  # running requests preempted so far (they resume by recompute)
 
 
 class EngineCore:
@@ -251,7 +252,7 @@ class EngineCore:
 
     @property
     def max_request_tokens(self) -> int:
-        """The most positions (prompt + max_tokens) one request can reserve in the KV pool."""
+        """The most positions (prompt + max_tokens) one request can hold in the KV pool."""
         return self.kv.num_pages // self.kv.num_planes * self.kv.block_size
 
     def has_unfinished(self) -> bool:
@@ -261,7 +262,7 @@ class EngineCore:
         m = self.metrics
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
-                           m.num_accepted_tokens, tuple(m.accepted_per_position))
+                           m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

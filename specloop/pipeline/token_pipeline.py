@@ -57,9 +57,11 @@ class TokenPipeline:
     def rows_per_request(self) -> int:
         return self.num_loops  # up to R live tokens
 
-    def start(self, req: Request, base: int) -> None:
+    def start(self, req: Request, base: int, token: int | None = None) -> None:
+        """A pipeline whose first live token sits at `base` (`token`: its id when the host
+        knows it, a resumption; None: the device cell)."""
         limit = len(req.prompt_ids) + req.params.max_tokens - 1
-        req.round = PipelineState([LiveToken(base)], limit) if base < limit else None
+        req.round = PipelineState([LiveToken(base, token=token)], limit) if base < limit else None
 
     def plan(self, req: Request, budget: int, builder: GroupBuilder) -> list[RowGroup]:
         pipe: PipelineState | None = req.round

@@ -52,8 +52,9 @@ class Rollback:
 
 
 class Controller(Protocol):
-    def start(self, req: Request, base: int) -> None:
-        """Take over a request whose next token sits at position `base` (in its request cell)."""
+    def start(self, req: Request, base: int, token: int | None = None) -> None:
+        """Take over a request whose next token sits at position `base`: in its request cell,
+        or `token` when the host knows it (a request resumed after preemption)."""
         ...
 
     def plan(self, req: Request, budget: int, builder: GroupBuilder) -> list[RowGroup]:

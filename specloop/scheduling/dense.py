@@ -6,7 +6,10 @@ planned deepest first, so tokens finish as early as possible. Rows that enter de
 across requests (single-token decodes before prompt chunks) and runs a generated token
 through every loop in one call (a multi-loop group: one plan per token). The last row of
 a request at full depth samples its next token; with speculation on, the speculation
-controller takes the request over from that first output token.
+controller takes the request over from that first output token. A request resumed after
+a recompute preemption re-enters its prompt and committed tokens as a prompt; with
+speculation the last committed token is left out and the controller resumes from it, as
+after a rollback, so its rounds (and their keyed draws) fall where they would have.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class DenseController:
         self.num_loops = num_loops
         self.handoff = handoff  # takes a request over after its first sample (speculation)
 
-    def start(self, req: Request, base: int) -> None:
+    def start(self, req: Request, base: int, token: int | None = None) -> None:
         """Dense planning needs no state of its own: the KV frontiers say what is ready."""
 
     def plan(self, req: Request, budget: int, builder: "DenseBuilder") -> list[RowGroup]:
@@ -45,10 +48,16 @@ class DenseController:
         """Rows [start, end) through `loops` loops from `depth`; the request's last row at
         full depth samples."""
         head = None
-        if depth + loops == self.num_loops and end == req.num_tokens and req.wants_more_samples:
+        last = depth + loops == self.num_loops and end == req.num_tokens
+        resume = last and req.resume_token is not None
+        if last and not resume and req.wants_more_samples:
             head = Sample(req.params, req.produced)
         group = builder.group(req, depth, start, end, head=head, loops=loops)
-        if head is not None:
+        if resume:  # the replayed prefix is in: speculation resumes from the last committed token
+            token, req.resume_token = req.resume_token, None
+            req.speculating = True
+            self.handoff.start(req, base=end, token=token)
+        elif head is not None:
             req.produced += 1
             if self.handoff is not None:  # speculation takes over from the first output token
                 req.speculating = True

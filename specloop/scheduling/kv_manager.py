@@ -6,9 +6,11 @@ slot of a position is `page * block_size + position % block_size`. The physical 
 (BF16 pages now, packed formats later) only consumes those page ids and slots; nothing
 here imports torch.
 
-Admission reserves, up front, every page a request may ever hold (`pages_for` of its
-reserve tokens), so a running request can always grow its tables without failing or
-preempting anyone. Pages are allocated lazily by `ensure` inside that reservation.
+A request may hold a reservation: pages promised to it at admission and kept back from
+everyone else, which `ensure` draws on first. The scheduler admits by need (reservation
+0: pages come from the free pool as tables grow, and `ensure` raises `OutOfPages` when
+the pool cannot serve, which is when the scheduler preempts); reserving prompt +
+max_tokens up front is the older policy, kept for comparison.
 
 Invariants (checked after every operation by tests/test_kv_manager.py):
 
@@ -20,7 +22,7 @@ Invariants (checked after every operation by tests/test_kv_manager.py):
    what is left after them.
 4. Every plane of a request has the same number of pages, so all planes cover the
    same positions; `truncate` drops the same table tail in every plane, after which
-   `ensure` regrows with fresh pages inside the kept reservation.
+   `ensure` regrows with fresh pages (inside the kept reservation first).
 5. An operation on one request never reads or changes another request's pages.
 
 Nothing shares pages yet. When prefix reuse does (`PageAllocator.incref`), invariant 3
@@ -137,15 +139,15 @@ class _RequestKV:
     @property
     def outstanding_pages(self) -> int:
         """Reserved pages not allocated yet; kept back from every other request."""
-        return self.reserved_pages - self.held_pages
+        return max(0, self.reserved_pages - self.held_pages)
 
 
 class KVManager:
     """Per request and per depth plane: a block table over fixed-size pages and a written frontier.
 
-    Admission reserves pages up front (so a running request never runs out), tables grow
-    within the reservation, truncate rolls back and returns whole pages past the new
-    frontier to the pool while keeping the reservation, free releases everything.
+    Tables grow by `ensure` (from the request's reservation first, then from pages nobody
+    has a claim on), truncate rolls back and returns whole pages past the new frontier to
+    the pool while keeping the reservation, free releases everything.
     `page_bytes` is the storage of one page of one plane (all layers, K and V), used only
     for accounting.
     """
@@ -213,8 +215,9 @@ class KVManager:
     def requests(self) -> list[str]:
         return list(self._requests)
 
-    def add_request(self, rid: str, reserve_tokens: int) -> None:
-        """Admit `rid`, reserving pages for `reserve_tokens` positions in every plane."""
+    def add_request(self, rid: str, reserve_tokens: int = 0) -> None:
+        """Admit `rid`, reserving pages for `reserve_tokens` positions in every plane (0: none,
+        admission by need)."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already has KV state")
         needed = self.pages_for(reserve_tokens)
@@ -226,24 +229,34 @@ class KVManager:
         self._requests[rid] = _RequestKV(needed, [[] for _ in planes], [0 for _ in planes])
         self._outstanding += needed
 
+    def pages_to_cover(self, rid: str, num_tokens: int) -> int:
+        """Pages `ensure(rid, num_tokens)` would allocate (0 when already covered)."""
+        return max(0, _ceil_div(num_tokens, self.block_size) - self._get(rid).pages_per_plane) * self.num_planes
+
+    def can_ensure(self, rid: str, num_tokens: int) -> bool:
+        """Whether `ensure(rid, num_tokens)` would succeed: its reservation plus the free pages
+        nobody has a claim on cover the growth."""
+        return self.pages_to_cover(rid, num_tokens) <= self._get(rid).outstanding_pages + self.num_available_pages
+
     def ensure(self, rid: str, num_tokens: int) -> None:
-        """Grow every plane's table to cover positions [0, num_tokens); never shrinks."""
+        """Grow every plane's table to cover positions [0, num_tokens); never shrinks.
+
+        Draws on the request's reservation first, then on unclaimed free pages; raises
+        `OutOfPages` (changing nothing) when those do not cover the growth."""
         req = self._get(rid)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        want = _ceil_div(num_tokens, self.block_size)
-        grow = want - req.pages_per_plane
+        grow = _ceil_div(num_tokens, self.block_size) - req.pages_per_plane
         if grow <= 0:
             return
-        if want * self.num_planes > req.reserved_pages:
-            raise ValueError(
-                f"request {rid!r}: covering {num_tokens} positions needs {want * self.num_planes} pages, "
-                f"beyond its reservation of {req.reserved_pages}"
-            )
-        pages = self.allocator.allocate(grow * self.num_planes)  # cannot fail: reserved
+        if not self.can_ensure(rid, num_tokens):
+            raise OutOfPages(f"request {rid!r}: covering {num_tokens} positions needs {grow * self.num_planes} more "
+                             f"KV pages; {req.outstanding_pages} reserved and {self.num_available_pages} unclaimed")
+        before = req.outstanding_pages
+        pages = self.allocator.allocate(grow * self.num_planes)
         for plane, table in enumerate(req.tables):
             table.extend(pages[plane * grow:(plane + 1) * grow])
-        self._outstanding -= len(pages)
+        self._outstanding += req.outstanding_pages - before
 
     def truncate(self, rid: str, frontier: int) -> list[int]:
         """Roll back to `frontier`: every plane's frontier becomes min(frontier, current).
@@ -257,10 +270,11 @@ class KVManager:
             raise ValueError(f"frontier must be >= 0, got {frontier}")
         req.frontiers = [min(frontier, f) for f in req.frontiers]
         keep = _ceil_div(frontier, self.block_size)
+        before = req.outstanding_pages
         dropped = [page for table in req.tables for page in table[keep:]]
         for table in req.tables:
             del table[keep:]
-        self._outstanding += len(dropped)
+        self._outstanding += req.outstanding_pages - before
         return self.allocator.decref(dropped)
 
     def free(self, rid: str) -> list[int]:
@@ -303,6 +317,10 @@ class KVManager:
                 f"[{current}, {self.coverage(rid)}]"
             )
         req.frontiers[plane] = new_frontier
+
+    def held_pages(self, rid: str) -> int:
+        """Pages `rid` holds over all planes."""
+        return self._get(rid).held_pages
 
     def bytes_used(self, rid: str) -> int:
         return self._get(rid).held_pages * self.page_bytes

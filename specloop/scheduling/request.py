@@ -71,6 +71,11 @@ class Request:
     speculating: bool = False  # the speculation controller plans this request's rows
     round: Any = None  # the speculation controller's state of the current round
     token_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> token slot of a live token
+    # After a recompute preemption: committed output tokens re-entered as a prompt, and
+    # (speculation) the last one, from which the controller resumes once the rest is in.
+    replay: list[int] = dataclasses.field(default_factory=list)
+    resume_token: int | None = None
+    num_preemptions: int = 0
     # Committed state:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
@@ -80,13 +85,26 @@ class Request:
 
     @property
     def kv_key(self) -> str:
-        """Unique per request object, so a reused request ID never meets the old one's KV."""
-        return f"{self.request_id}@{self.arrival}"
+        """Unique per request object and residency, so neither a reused request ID nor the
+        request's own resumption meets KV that is still being released."""
+        return f"{self.request_id}@{self.arrival}#{self.num_preemptions}"
 
     @property
     def reserve_tokens(self) -> int:
-        """KV positions the request may ever need (reserved at admission)."""
+        """KV positions the request may ever need."""
         return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def num_host_tokens(self) -> int:
+        """Leading positions whose token ids the host knows: the prompt and the replay."""
+        return len(self.prompt_ids) + len(self.replay)
+
+    def host_token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end) < num_host_tokens."""
+        prompt = len(self.prompt_ids)
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.replay[max(start - prompt, 0):end - prompt]
 
     @property
     def wants_more_samples(self) -> bool:

@@ -13,9 +13,17 @@ builds every group (KV frontiers, page tables, token slots) for them. Each plan 
 most `max_rows` rows: first the rows that finish tokens (deeper depths first, requests in
 arrival order) and speculation rows, then rows entering depth 0, single-token decodes
 before prompt chunks (chunked prefill), so a request's prompt chunks move through the
-depths as a wavefront. Admission is FCFS by KV budget: a request reserves pages for its
-prompt plus max_tokens, so a running request never runs out of pages and nothing is
-preempted.
+depths as a wavefront.
+
+Admission is FCFS by need: a request is admitted when the pages of its prompt (plus one
+page per plane to decode into, and a small watermark while others run) are unclaimed,
+and its prompt's pages are taken then. Before each plan every running request's tables
+grow to cover what the plan may enter at depth 0 (`_need`), oldest first; when the pool
+cannot serve, the latest-arrived running request is preempted (recompute: its KV, token
+slots and cell return once the tickets in flight completed, and it waits at the head of
+the queue to re-enter its prompt and committed tokens), so preempted requests resume
+before new admissions. Growing there, before any controller plans, keeps planning free
+of page failures: `build_group` only draws on pages already covered.
 """
 
 from __future__ import annotations
@@ -92,6 +100,12 @@ class Scheduler:
         self.speculation = speculation
         self.dense = DenseController(num_loops, handoff=speculation)
         self.multi_loop = True  # groups may run several loops per call (tests turn it off to compare)
+        # Admission reserving prompt + max_tokens up front (never preempts): the older policy,
+        # kept for benchmarks that compare it with admission by need.
+        self.reserve_max_tokens = False
+        self.watermark_pages = max(kv.num_planes, kv.num_pages // 100)  # kept free at admission while others run
+        self.num_preemptions = 0
+        self._returning = 0  # pages of preempted requests whose release waits for a ticket
         self.token_slots = TokenSlotPool(num_token_slots)
         self.cells = CellPool(max_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -137,17 +151,82 @@ class Scheduler:
         else:
             self._deferred.append((last_submitted, action))
 
+    def preempt(self, req: Request) -> None:
+        """Recompute preemption of a running request: its KV, token slots and cell return once
+        the tickets in flight completed (their results turn stale), and it waits at the head of
+        the queue to re-enter its prompt and committed tokens (`Request.replay`)."""
+        self.running.remove(req)
+        slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
+        self.token_slots.retire(slots)
+        key, cell, pages = req.kv_key, req.cell, self.kv.held_pages(req.kv_key)
+        self._returning += pages
+
+        def release() -> None:
+            self.kv.free(key)
+            self.token_slots.release(slots)
+            self.cells.give([cell])
+            self._returning -= pages
+
+        self._defer(release)
+        committed = req.output_ids
+        if self.speculation is not None and committed:  # the controller resumes from the last one
+            req.replay, req.resume_token = committed[:-1], committed[-1]
+        else:
+            req.replay, req.resume_token = list(committed), None
+        req.num_tokens, req.produced = req.num_host_tokens, len(committed)
+        req.speculating, req.round, req.token_slots, req.cell = False, None, {}, -1
+        req.num_preemptions += 1
+        req.incarnation = new_incarnation()
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)  # victims go latest-arrived first, so the queue's head stays oldest
+        self.num_preemptions += 1
+
     # ---- planning -------------------------------------------------------------------
+    def _can_admit(self, req: Request) -> bool:
+        if self.reserve_max_tokens:
+            return self.kv.can_admit(req.reserve_tokens)
+        tokens = min(req.num_host_tokens + self.kv.block_size, req.reserve_tokens)
+        spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
+        return self.kv.pages_for(tokens) + spare <= self.kv.num_available_pages
+
     def _admit(self) -> None:
         while self.waiting and self.cells.num_free:
             req = self.waiting[0]
-            if not self.kv.can_admit(req.reserve_tokens):
+            if not self._can_admit(req):
                 return  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.add_request(req.kv_key, req.reserve_tokens)
+            self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0)
+            self.kv.ensure(req.kv_key, req.num_host_tokens)  # the prompt's pages, now
             req.cell = self.cells.take()
             req.status = Status.RUNNING
             self.running.append(req)
+
+    def _need(self, req: Request) -> int:
+        """Positions the request's tables must cover before it is planned. Every row a plan
+        enters at depth 0 lies below it: a dense request enters its existing positions (prompt
+        chunks, the next token), a speculating one at most one row per plan, at its depth-0
+        frontier (a draft row, a pipeline's newest token)."""
+        if req.speculating:
+            return min(self.kv.frontier(req.kv_key, 0) + 1, req.reserve_tokens)
+        return req.num_tokens
+
+    def _make_room(self) -> set[int]:
+        """Grow every running request's tables to `_need`, oldest first, preempting the
+        latest-arrived running request while the pool cannot serve. A request that cannot
+        grow while preempted pages are still on their way back sits this plan out (returns
+        the arrivals of those) rather than preempting more."""
+        blocked: set[int] = set()
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            while req.status is Status.RUNNING:
+                need = self._need(req)
+                if self.kv.can_ensure(req.kv_key, need):
+                    self.kv.ensure(req.kv_key, need)
+                    break
+                if self._returning:
+                    blocked.add(req.arrival)
+                    break
+                self.preempt(max(self.running, key=lambda r: r.arrival))
+        return blocked
 
     def schedule(self) -> Plan | None:
         """The next plan, or None when nothing is ready.
@@ -155,12 +234,15 @@ class Scheduler:
         Planning one request can fail without touching another: its exception is kept
         (`take_failed`), its groups planned so far stay in the plan (their results turn
         stale once the caller ends the request), and the others are planned as usual."""
+        blocked = self._make_room()
         self._admit()
         budget = self.max_rows
         groups: list[RowGroup] = []
         release: list[int] = []
         entries: list[tuple[Request, int, int]] = []
         for req in self.running:
+            if req.arrival in blocked:
+                continue
             builder = _PlanBuilder(self, release, entries)
             try:
                 planned = self.controller(req).plan(req, budget, builder)
@@ -229,7 +311,7 @@ class Scheduler:
             raise AssertionError(f"loops {depth}..{last} outside 0..{self.num_loops - 1}")
         key = req.kv_key
         if depth == 0:
-            self.kv.ensure(key, end)
+            self.kv.ensure(key, end)  # covered already (`_make_room`, `_admit`); raises if not
             taken = slots if slots is not None else self.token_slots.take(end - start)
             for pos, slot in zip(range(start, end), taken):
                 req.token_slots[pos] = slot
@@ -243,9 +325,8 @@ class Scheduler:
                                      f"not at the group's start {start}")
             self.kv.advance(key, plane, end)
         pages = -(-end // self.kv.block_size)
-        prompt_len = len(req.prompt_ids)
-        if token_ids is None and depth == 0 and end <= prompt_len:
-            token_ids = req.prompt_ids[start:end]
+        if token_ids is None and depth == 0 and end <= req.num_host_tokens:
+            token_ids = req.host_token_ids(start, end)
         if depth == 0 and token_ids is None and end - start != 1:
             raise AssertionError("generated tokens enter depth 0 one at a time")
         planes = self.num_loops if self.adaptive_exit else last + 1
