@@ -244,4 +244,5 @@ class AsyncEngine:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(EngineDeadError(f"the engine stopped: {exc}"))
+            if future.set_running_or_notify_cancel():  # a cancelled caller's future takes no result
+                future.set_exception(EngineDeadError(f"the engine stopped: {exc}"))
