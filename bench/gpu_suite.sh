@@ -4,7 +4,8 @@
 # Each step has its own time limit; results land in $OUT, a summary on stdout. Each PART
 # fits one 10-minute device call: PART=tests the GPU tests; PART=bench the model check,
 # baseline and profile; PART=serve the engine check, the speculation replay and the
-# served load. Unset: all three, one after the other.
+# served load; PART=preempt the preemption tests on the GPU and bench/preemption.py.
+# Unset: all four, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,7 +20,12 @@ TAIL=30 step 330 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py tes
   tests/test_attention_backends.py tests/test_cuda_no_sync.py tests/test_forward_batch.py tests/test_multi_loop.py \
   tests/test_fused_projections.py
 fi
+if [ "$PART" = preempt ] || [ "$PART" = all ]; then
+TAIL=12 step 200 python -m pytest -q -rf --tb=short tests/test_preemption.py
+fi
 [ "$PART" = tests ] && exit 0
+[ "$PART" = preempt ] && python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 \
+  && step 300 python bench/preemption.py --model /tmp/ouro14 --out "$OUT/preemption_h200.json" && exit 0
 python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
 step 100 python bench/model_check.py --model /tmp/ouro14 --out "$OUT/model_check_ouro-1.4b.json"

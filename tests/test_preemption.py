@@ -7,12 +7,14 @@ every mode (plain, adaptive exit, block rounds, token pipelines), with a seeded 
 request. Preemption happens two ways: a pool too small for the offered load (vLLM's policy
 picks the latest-arrived running request), and forced at fixed steps whatever the pool
 (`Scheduler.preempt`, any number of times per request, mid-round and mid-pipeline).
-After every run each page, token slot and request cell is back.
+After every run each page, token slot and request cell is back. On the GPU where there is
+one (Triton attention, CUDA graphs), on the CPU otherwise.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
@@ -24,11 +26,13 @@ PROMPTS = [list(range(3, 17)), [5, 9, 2], list(range(40, 12, -1)), [7] * 9, list
 # Short prompts, long outputs: all admitted at first, then they outgrow the pool together.
 SHORT = [[5, 9, 2], [7] * 5, list(range(3, 9)), [11, 12], list(range(60, 64)), [1, 2, 3]]
 MAX_TOKENS = 14
+LARGE = 4096  # KV pages of the uninterrupted runs: never short
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POOL = 40  # KV pages: 10 per plane of the 4-loop tiny model, 40 positions; SHORT's requests end at 16-20
 
 
-def _engine(ckpt, pages: int | None, **mode) -> EngineCore:
-    return EngineCore(EngineConfig.from_kwargs(str(ckpt), device="cpu", dtype="float32", block_size=4,
+def _engine(ckpt, pages: int, **mode) -> EngineCore:
+    return EngineCore(EngineConfig.from_kwargs(str(ckpt), device=DEVICE, dtype="float32", block_size=4,
                                                num_kv_pages=pages, max_num_seqs=8, max_num_batched_tokens=48,
                                                **mode))
 
@@ -94,7 +98,7 @@ def _want(tiny_ckpt, cache: dict[tuple[str, int], Outputs], mode: str, prompts: 
     """The requests through an engine whose pool never runs short (computed once per mode)."""
     key = (mode, id(prompts))
     if key not in cache:
-        engine = _engine(tiny_ckpt, None, **MODES[mode])
+        engine = _engine(tiny_ckpt, LARGE, **MODES[mode])
         cache[key] = _run(engine, prompts)
         assert engine.scheduler.num_preemptions == 0
     return cache[key]
@@ -118,7 +122,7 @@ def test_forced_preemptions_at_any_step_resume_exactly(tiny_ckpt, uninterrupted,
     """Preempting requests at fixed steps, prompt chunks and rounds or pipelines mid-flight
     included, changes nothing they emit."""
     want = _want(tiny_ckpt, uninterrupted, mode, PROMPTS)
-    engine = _engine(tiny_ckpt, None, **MODES[mode])
+    engine = _engine(tiny_ckpt, LARGE, **MODES[mode])
     watch = _Watch(engine)
     force = {s: k % 3 for k, s in enumerate(range(1, 60, 4))}  # r0, r1 (sampled), r2, r0, ...
     got = _run(engine, PROMPTS, force)
@@ -145,7 +149,7 @@ def test_admission_by_need_admits_what_reservation_would_not(tiny_ckpt):
 
 def test_abort_of_a_preempted_request(tiny_ckpt):
     """A request aborted while it waits to resume ends at once and leaves nothing behind."""
-    engine = _engine(tiny_ckpt, None)
+    engine = _engine(tiny_ckpt, LARGE)
     params = _params(0)
     engine.add_request("a", PROMPTS[0], params)
     engine.add_request("b", PROMPTS[2], params)
