@@ -25,7 +25,9 @@ TAIL=12 step 200 python -m pytest -q -rf --tb=short tests/test_preemption.py
 fi
 [ "$PART" = tests ] && exit 0
 [ "$PART" = preempt ] && python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 \
-  && step 300 python bench/preemption.py --model /tmp/ouro14 --out "$OUT/preemption_h200.json" && exit 0
+  && step 200 python bench/preemption.py --model /tmp/ouro14 --out "$OUT/preemption_h200_exact_lengths.json" \
+  && step 200 python bench/preemption.py --model /tmp/ouro14 --stop-every 64 --out "$OUT/preemption_h200_early_stops.json" \
+  && exit 0
 python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
 step 100 python bench/model_check.py --model /tmp/ouro14 --out "$OUT/model_check_ouro-1.4b.json"

@@ -6,9 +6,14 @@ Usage (device machine; a random checkpoint is written first):
     python bench/preemption.py --model /tmp/tiny --device cpu --requests 12 --prompt 24 --output 24 \\
         --out /tmp/preemption_cpu.json        (a smoke run)
 
-A burst of `--requests` greedy requests (random prompts of `--prompt` tokens, `--output`
-tokens each, ignore_eos) arrives at once at an engine whose KV pool holds
-`--pool-fraction` of the offered load (every request's prompt + output in every plane).
+A burst of `--requests` requests (random prompts of `--prompt` tokens, max_tokens
+`--output`) arrives at once at an engine whose KV pool holds `--pool-fraction` of the
+offered load (every request's prompt + max_tokens in every plane). With `--stop-every 0`
+they are greedy and ignore EOS, so each generates exactly max_tokens: the case where a
+reservation knows what each request needs. With `--stop-every N` they sample (seeded,
+temperature 1) and stop at any of every N-th token id, so outputs end early at random
+lengths (mean about N with a random model's near-uniform draws), as requests that stop at
+EOS well before max_tokens do: the case admission by need is for.
 The same burst runs twice: admission by need (the default: requests are admitted when
 their prompt fits and preempted, latest first, when pages run out) and the older policy
 (`Scheduler.reserve_max_tokens`: reserve prompt + output at admission, never preempt).
@@ -41,8 +46,15 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _burst(engine: EngineCore, prompts: list[list[int]], output: int, cuda: bool) -> dict:
-    params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+def _params(output: int, stop_every: int, vocab: int, seed: int) -> SamplingParams:
+    if not stop_every:
+        return SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=output, temperature=1.0, seed=seed, ignore_eos=True,
+                          stop_token_ids=list(range(stop_every, vocab, stop_every)))
+
+
+def _burst(engine: EngineCore, prompts: list[list[int]], output: int, stop_every: int, cuda: bool) -> dict:
+    vocab = engine.model.config.vocab_size
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -51,7 +63,7 @@ def _burst(engine: EngineCore, prompts: list[list[int]], output: int, cuda: bool
         torch.cuda.synchronize()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, _params(output, stop_every, vocab, i))
     while engine.has_unfinished():
         outs = engine.step()
         peak_running = max(peak_running, len(engine.scheduler.running))
@@ -67,6 +79,7 @@ def _burst(engine: EngineCore, prompts: list[list[int]], output: int, cuda: bool
     ttft, e2e = list(first.values()), list(done.values())
     return {
         "wall_s": wall,
+        "output_tokens": sum(map(len, tokens.values())),
         "output_tokens_per_s": sum(map(len, tokens.values())) / wall,
         "ttft_s": {"p50": statistics.median(ttft), "p99": _quantile(ttft, 0.99)},
         "e2e_s": {"p50": statistics.median(e2e), "p99": _quantile(e2e, 0.99)},
@@ -86,6 +99,8 @@ def main() -> None:
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--pool-fraction", type=float, default=1 / 3)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="running requests at once (default: --requests)")
+    p.add_argument("--stop-every", type=int, default=0, help="0: exact lengths; N: stop at every N-th token id")
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     dtype = "bfloat16" if cuda else "float32"
@@ -96,20 +111,20 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     result: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "torch": torch.__version__, "requests": args.requests, "prompt": args.prompt,
-                    "output": args.output, "block_size": args.block_size, "pool_pages": pool,
+                    "output": args.output, "stop_every": args.stop_every, "max_num_seqs": args.max_num_seqs or args.requests, "block_size": args.block_size, "pool_pages": pool,
                     "offered_pages": args.requests * per_request, "pool_fraction": args.pool_fraction}
     runs = {}
     for policy in ("need", "reserve"):
         engine = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=dtype, num_kv_pages=pool,
-                                         block_size=args.block_size, max_num_seqs=args.requests,
+                                         block_size=args.block_size, max_num_seqs=args.max_num_seqs or args.requests,
                                          max_num_batched_tokens=2048))
         engine.scheduler.reserve_max_tokens = policy == "reserve"
         vocab = engine.model.config.vocab_size
         prompts = [torch.randint(3, vocab, (args.prompt,), generator=gen.manual_seed(i)).tolist()
                    for i in range(args.requests)]
-        _burst(engine, prompts[:2], 8, cuda)  # warm-up: kernels, allocator
+        _burst(engine, prompts[:2], 8, 0, cuda)  # warm-up: kernels, allocator
         engine.scheduler.num_preemptions = 0
-        runs[policy] = _burst(engine, prompts, args.output, cuda)
+        runs[policy] = _burst(engine, prompts, args.output, args.stop_every, cuda)
         del engine
         gc.collect()
         if cuda:
