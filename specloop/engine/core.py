@@ -26,6 +26,9 @@ from specloop.checkpoint.tokenizer import longest_token_bytes
 from specloop.engine.config import EngineConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.engine.executor import Executor, SampleResult, Ticket
+from specloop.engine.snapshot import RequestSnapshot, SnapshotError, capture
+from specloop.engine.snapshot import check as check_snapshot
+from specloop.engine.snapshot import install as install_snapshot
 from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.heads import SpeculationHeads, Verifier
@@ -131,10 +134,12 @@ class EngineCore:
                 mcfg.num_loops if threshold < 1.0 else 0, self.backend.tile_rows[0], mcfg.num_key_value_heads,
                 self.max_model_len, batches.max_tables, num_pages, num_token_slots, config.block_size, device))
         self.executor = Executor(runner)
+        self.speculation_heads: SpeculationHeads | None = next(iter(heads.values())) if heads else None
         self.metrics = SpeculationMetrics(max(speculation.draft_width if speculation else 0, 1))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._inflight: collections.deque[Ticket] = collections.deque()
+        self._pending: list[RequestOutput] = []  # committed while quiescing for a snapshot; the next step returns them
         self._arrivals = itertools.count()
         self.failure: BaseException | None = None  # set when a step failed outside one request
         log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",
@@ -248,7 +253,15 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        return self._end(req, "abort", "", [], None)
+        # Outputs it committed while the engine quiesced for a snapshot go out in this final one.
+        mine = [o for o in self._pending if o.request_id == request_id]
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        out = self._end(req, "abort", "", [], None)
+        if mine:
+            logprobs = [lp for o in mine for lp in (o.logprobs or [])] if req.params.logprobs else None
+            out = dataclasses.replace(out, text="".join(o.text for o in mine),
+                                      token_ids=[t for o in mine for t in o.token_ids], logprobs=logprobs)
+        return out
 
     @property
     def max_request_tokens(self) -> int:
@@ -256,7 +269,47 @@ class EngineCore:
         return self.kv.num_pages // self.kv.num_planes * self.kv.block_size
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._inflight)
+        return bool(self.requests) or bool(self._inflight) or bool(self._pending)
+
+    # ---- snapshot / restore -----------------------------------------------------------
+    def snapshot(self, request_id: str) -> RequestSnapshot:
+        """The request's state at a legal point (`specloop.engine.snapshot`); the request runs on.
+
+        Every ticket in flight is committed first (what that emits comes out of the next
+        `step`), so no ticket holds the request's rows. Raises InvalidRequestError for an
+        unknown request and SnapshotError when it finished meanwhile."""
+        self._check_alive()
+        if request_id not in self.requests:
+            raise InvalidRequestError(f"no request {request_id!r} to snapshot", param="request_id")
+        try:
+            self._pending.extend(self._quiesce())
+        except BaseException as exc:
+            self.failure = exc
+            raise
+        req = self.requests.get(request_id)
+        if req is None:
+            raise SnapshotError(f"request {request_id!r} finished while the tickets in flight completed")
+        return capture(self, req)
+
+    def restore(self, snapshot: RequestSnapshot) -> None:
+        """Resume a request from its snapshot, where it was: a refused restore (SnapshotError:
+        another format version or configuration, its ID in use, no room) changes nothing."""
+        self._check_alive()
+        check_snapshot(self, snapshot)
+        install_snapshot(self, snapshot)
+
+    def _quiesce(self) -> list[RequestOutput]:
+        """Commit every ticket in flight: afterwards no request has rows on the device."""
+        outputs: list[RequestOutput] = []
+        while self._inflight:
+            ticket = self._inflight.popleft()
+            outputs += self._commit(ticket.result())
+            self.scheduler.ticket_done(ticket.ticket_id)
+        return outputs
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine stopped after a failed forward call: {self.failure}")
 
     def stats(self) -> EngineStats:
         m = self.metrics
@@ -279,8 +332,9 @@ class EngineCore:
             raise
 
     def _step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule() if len(self._inflight) < self.config.max_inflight_tickets else None
-        outputs = [self._fail(req, exc, "planned") for req, exc in self.scheduler.take_failed()]
+        outputs += [self._fail(req, exc, "planned") for req, exc in self.scheduler.take_failed()]
         if plan is not None:
             self._inflight.append(self.executor.submit(plan))
         if self._inflight and (plan is None or len(self._inflight) >= self.config.max_inflight_tickets):

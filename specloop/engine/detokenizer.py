@@ -46,6 +46,23 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_reason: str | None = None
 
+    STATE = ("_skip_special", "_stop", "_window", "_read", "_context_text", "_held", "_pieces", "stopped",
+             "stop_reason")
+
+    def state(self) -> dict[str, Any]:
+        """Plain values that `from_state` rebuilds it from (a request snapshot's part)."""
+        return {name: list(v) if isinstance(v, (list, tuple)) else v
+                for name, v in ((n, getattr(self, n)) for n in self.STATE)}
+
+    @classmethod
+    def from_state(cls, tokenizer: Any, state: dict[str, Any]) -> "IncrementalDetokenizer":
+        detok = cls.__new__(cls)
+        detok._tokenizer = tokenizer
+        for name in cls.STATE:
+            setattr(detok, name, state[name])
+        detok._stop = tuple(detok._stop)
+        return detok
+
     @property
     def text(self) -> str:
         """Everything emitted so far (joined lazily: appending stays linear)."""

@@ -1,0 +1,301 @@
+"""Snapshot and restore of one request, for preemption by swap and for moving a request.
+
+A snapshot is taken at a legal point: no ticket in flight holds the request's rows (the
+engine commits its tickets in flight first, `EngineCore.snapshot`). It holds everything
+the request's future depends on, in a versioned, self-describing dict of plain values
+and CPU tensors (`RequestSnapshot.to_bytes` / `from_bytes`, loaded with torch's
+weights-only unpickler, so a snapshot file cannot run code):
+
+- `config`: the effective engine configuration a restore must match (model shape and
+  dtype, KV format and page size, loops, exit threshold, speculation, engine seed); the
+  full engine summary rides along for diagnostics;
+- `request`: the host state (ids, sampling parameters, arrival, which keys the sampling
+  draws, incarnation, scheduling counters, committed outputs, replay) and the speculation
+  controller's state (a round or a pipeline mid-flight), with token slots by position;
+- `kv`: every page the request holds, per plane, in its stored format, with the frontiers;
+- `slots`: the contents of its live token slots (hidden, exit state, depth, candidate),
+  by position, and how many slots its round holds for rows not drafted yet;
+- `cell`: its request cell's next token and, with speculation, its draft buffer;
+- `detokenizer`: the incremental detokenizer's state.
+
+A restore checks the format, version and configuration and that the engine has room
+(pages, token slots, a cell) before it changes anything, so a refused restore leaves no
+trace; device storage is then written at fresh page, slot and cell indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specloop.engine.detokenizer import IncrementalDetokenizer
+from specloop.errors import SpecloopError
+from specloop.pipeline.rounds import Round
+from specloop.pipeline.token_pipeline import LiveToken, PipelineState
+from specloop.sampling_params import SamplingParams
+from specloop.scheduling.request import Request, Status, new_incarnation
+
+if TYPE_CHECKING:
+    from specloop.engine.core import EngineCore
+
+FORMAT = "specloop.request-snapshot"
+VERSION = 1
+SLOT_FIELDS = ("hidden", "survival", "exited", "depth", "candidate")
+
+
+class SnapshotError(SpecloopError):
+    """A snapshot that cannot be taken or restored here (unknown format or version, another
+    configuration, no room); nothing was changed."""
+
+
+@dataclasses.dataclass
+class RequestSnapshot:
+    data: dict[str, Any]
+
+    @property
+    def request_id(self) -> str:
+        return self.data["request"]["request_id"]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of its tensors (KV, slots, draft buffer): what a swap keeps in host memory."""
+        return sum(t.numel() * t.element_size() for t in _tensors(self.data))
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.data, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "RequestSnapshot":
+        try:
+            data = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as exc:
+            raise SnapshotError(f"not a request snapshot: {type(exc).__name__}: {exc}") from exc
+        return cls(data)
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def engine_fingerprint(core: "EngineCore") -> dict[str, Any]:
+    """What a restoring engine must share with the snapshotting one for exact resumption."""
+    cfg, mcfg = core.config, core.model.config
+    spec = cfg.speculation
+    return {
+        "model": mcfg.to_hf_dict(),
+        "dtype": str(core.model.dtype),
+        "kv_format": core.executor.runner.backend.kv.name,
+        "block_size": cfg.block_size,
+        "exit_threshold": core.executor.runner.threshold,
+        "speculation": spec,
+        "draft_loops": cfg.draft_loops if spec != "none" else None,
+        "num_speculative_tokens": cfg.num_speculative_tokens if spec == "block" else None,
+        "seed": cfg.seed,
+    }
+
+
+# ---- capture ---------------------------------------------------------------------------
+def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
+    """The snapshot of a running or waiting request; the engine must hold no ticket in flight."""
+    assert not core._inflight, "snapshot at a legal point: no ticket in flight"
+    if req.status is Status.RUNNING:
+        kv, slots, cell = _capture_kv(core, req), _capture_slots(core, req), _capture_cell(core, req)
+    else:  # waiting (new or preempted by recompute): nothing on the device yet
+        kv, slots, cell = None, None, None
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": engine_fingerprint(core),
+        "engine": core.config.summary(),
+        "request": _capture_request(req),
+        "kv": kv,
+        "slots": slots,
+        "cell": cell,
+        "detokenizer": core._detok[req.request_id].state(),
+    }
+    return RequestSnapshot(data)
+
+
+def _capture_request(req: Request) -> dict[str, Any]:
+    return {
+        "request_id": req.request_id,
+        "prompt_ids": list(req.prompt_ids),
+        "params": dataclasses.asdict(req.params),
+        "arrival": req.arrival,
+        "stop_ids": sorted(req.stop_ids),
+        "status": req.status.value,
+        "num_tokens": req.num_tokens,
+        "produced": req.produced,
+        "speculating": req.speculating,
+        "round": _capture_round(req.round),
+        "live_positions": sorted(req.token_slots),
+        "replay": list(req.replay),
+        "resume_token": req.resume_token,
+        "num_preemptions": req.num_preemptions,
+        "output_ids": list(req.output_ids),
+        "usage": [req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens],
+    }
+
+
+def _capture_round(state: Any) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    if isinstance(state, Round):
+        fields = dataclasses.asdict(state)
+        fields["slots"] = None if state.slots is None else len(state.slots)  # held for rows not drafted yet
+        return {"kind": "round", **fields}
+    if isinstance(state, PipelineState):
+        return {"kind": "pipeline", "limit": state.limit, "live": [dataclasses.asdict(t) for t in state.live]}
+    raise SnapshotError(f"unknown controller state {type(state).__name__}")
+
+
+def _capture_kv(core: "EngineCore", req: Request) -> dict[str, Any]:
+    store, kvm = core.executor.runner.backend.kv, core.kv
+    rows = [_page_rows(kvm.page_table(req.kv_key, p), store.page_size, store.k.device) for p in range(kvm.num_planes)]
+    return {
+        "frontiers": [kvm.frontier(req.kv_key, p) for p in range(kvm.num_planes)],
+        "pages_per_plane": len(kvm.page_table(req.kv_key, 0)),
+        "k": torch.stack([store.k[:, r] for r in rows]).cpu(),  # [planes, layers, pages * page_size, Hkv, D]
+        "v": torch.stack([store.v[:, r] for r in rows]).cpu(),
+    }
+
+
+def _capture_slots(core: "EngineCore", req: Request) -> dict[str, Any]:
+    storage = core.executor.runner.slots
+    index = torch.tensor([req.token_slots[p] for p in sorted(req.token_slots)], dtype=torch.long,
+                         device=storage.hidden.device)
+    return {name: getattr(storage, name)[index].cpu() for name in SLOT_FIELDS}
+
+
+def _capture_cell(core: "EngineCore", req: Request) -> dict[str, Any]:
+    runner = core.executor.runner
+    cell: dict[str, Any] = {"next_token": runner.next_token[req.cell].cpu()}
+    heads = core.speculation_heads
+    if heads is not None:
+        cell["draft_tokens"] = heads.draft_tokens[req.cell].cpu()
+        cell["draft_probs"] = heads.draft_probs[req.cell].cpu()
+    return cell
+
+
+def _page_rows(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
+    """The flat KV rows of `pages`, in table order."""
+    base = torch.tensor(pages, dtype=torch.long) * page_size
+    return (base[:, None] + torch.arange(page_size)).flatten().to(device)
+
+
+# ---- restore ---------------------------------------------------------------------------
+def check(core: "EngineCore", snap: RequestSnapshot) -> None:
+    """Refuse, before any change, a snapshot this engine cannot resume exactly."""
+    data = snap.data
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise SnapshotError("not a request snapshot (no specloop.request-snapshot format tag)")
+    if data.get("version") != VERSION:
+        raise SnapshotError(f"snapshot format version {data.get('version')!r} is not supported "
+                            f"(this engine reads version {VERSION})")
+    ours = engine_fingerprint(core)
+    for key, value in data["config"].items():
+        if ours.get(key) != value:
+            raise SnapshotError(f"the snapshot was taken with {key}={value!r}, this engine has {ours.get(key)!r}")
+    rid = snap.request_id
+    if rid in core.requests:
+        raise SnapshotError(f"request_id {rid!r} is already in use")
+    if data["kv"] is None:
+        return
+    sched, kvm = core.scheduler, core.kv
+    pages = data["kv"]["pages_per_plane"] * kvm.num_planes
+    held = data["request"]["round"] or {}
+    spare = (held.get("slots") or 0) if held.get("kind") == "round" else 0
+    slots = len(data["request"]["live_positions"]) + spare
+    if pages > kvm.num_available_pages:
+        raise SnapshotError(f"restoring {rid!r} needs {pages} KV pages; {kvm.num_available_pages} are free")
+    if slots > sched.token_slots.num_free:
+        raise SnapshotError(f"restoring {rid!r} needs {slots} token slots; {sched.token_slots.num_free} are free")
+    if not sched.cells.num_free:
+        raise SnapshotError(f"restoring {rid!r} needs a request cell; all {sched.cells.size} are in use "
+                            f"(max_num_seqs)")
+
+
+def install(core: "EngineCore", snap: RequestSnapshot) -> Request:
+    """Rebuild the request in this engine (after `check`): running where it was running,
+    waiting otherwise. Returns it, registered with the engine and its scheduler."""
+    data = snap.data
+    r = data["request"]
+    params = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in r["params"].items()})
+    req = Request(r["request_id"], list(r["prompt_ids"]), params, arrival=r["arrival"],
+                  stop_ids=frozenset(r["stop_ids"]))
+    req.num_tokens, req.produced, req.speculating = r["num_tokens"], r["produced"], r["speculating"]
+    req.replay, req.resume_token, req.num_preemptions = list(r["replay"]), r["resume_token"], r["num_preemptions"]
+    req.output_ids = list(r["output_ids"])
+    req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens = r["usage"]
+    req.incarnation = new_incarnation()
+    sched = core.scheduler
+    if data["kv"] is None:
+        req.round = _restore_round(r["round"], [])
+        sched.waiting.appendleft(req)
+    else:
+        held = r["round"].get("slots") if r["round"] and r["round"]["kind"] == "round" else None
+        taken = sched.token_slots.take(len(r["live_positions"]) + (held or 0)) or []
+        live, spare = taken[:len(r["live_positions"])], taken[len(r["live_positions"]):]
+        req.token_slots = dict(zip(r["live_positions"], live))
+        req.round = _restore_round(r["round"], spare if held is not None else None)
+        req.cell = sched.cells.take()
+        _restore_kv(core, req, data["kv"])
+        _restore_slots(core, req, live, data["slots"])
+        _restore_cell(core, req, data["cell"])
+        req.status = Status.RUNNING
+        sched.running.append(req)
+    core.requests[req.request_id] = req
+    core._detok[req.request_id] = IncrementalDetokenizer.from_state(core.tokenizer, data["detokenizer"])
+    return req
+
+
+def _restore_round(state: dict[str, Any] | None, spare: list[int] | None) -> Any:
+    if state is None:
+        return None
+    fields = {k: v for k, v in state.items() if k != "kind"}
+    if state["kind"] == "round":
+        fields["slots"] = spare
+        return Round(**fields)
+    return PipelineState([LiveToken(**t) for t in fields["live"]], fields["limit"])
+
+
+def _restore_kv(core: "EngineCore", req: Request, kv: dict[str, Any]) -> None:
+    store, kvm = core.executor.runner.backend.kv, core.kv
+    kvm.add_request(req.kv_key)
+    kvm.ensure(req.kv_key, kv["pages_per_plane"] * kvm.block_size)
+    for plane, frontier in enumerate(kv["frontiers"]):
+        kvm.advance(req.kv_key, plane, frontier)
+        rows = _page_rows(kvm.page_table(req.kv_key, plane), store.page_size, store.k.device)
+        store.k[:, rows] = kv["k"][plane].to(store.k.device)
+        store.v[:, rows] = kv["v"][plane].to(store.v.device)
+
+
+def _restore_slots(core: "EngineCore", req: Request, live: list[int], slots: dict[str, torch.Tensor]) -> None:
+    storage = core.executor.runner.slots
+    if not live:
+        return
+    index = torch.tensor(live, dtype=torch.long, device=storage.hidden.device)
+    for name in SLOT_FIELDS:
+        getattr(storage, name)[index] = slots[name].to(storage.hidden.device)
+    storage.incarnation[index] = req.incarnation
+
+
+def _restore_cell(core: "EngineCore", req: Request, cell: dict[str, Any]) -> None:
+    runner = core.executor.runner
+    runner.next_token[req.cell] = cell["next_token"].to(runner.next_token.device)
+    heads = core.speculation_heads
+    if heads is not None:
+        heads.draft_tokens[req.cell] = cell["draft_tokens"].to(heads.draft_tokens.device)
+        heads.draft_probs[req.cell] = cell["draft_probs"].to(heads.draft_probs.device)
