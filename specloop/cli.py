@@ -100,8 +100,9 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "attention_backend": (str, "auto (triton on CUDA, torch on CPU), torch (the readable reference) or triton; "
                           "the engine logs what it chose"),
     "enforce_eager": (bool, "run every forward call eagerly: no CUDA graphs"),
-    "preemption_mode": (str, "what preemption does when KV pages run out: recompute (drop the latest-arrived "
-                        "request's KV and re-enter its prompt and tokens later)"),
+    "preemption_mode": (str, "what preemption does to the latest-arrived running request when KV pages run out: "
+                        "recompute (drop its KV, re-enter its prompt and tokens later) or swap (snapshot it to "
+                        "host memory, restore it later)"),
 }
 # What an unset option means where EngineConfig's default is None (no value to show).
 UNSET_MEANS = {

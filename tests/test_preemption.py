@@ -105,11 +105,12 @@ def _want(tiny_ckpt, cache: dict[tuple[str, int], Outputs], mode: str, prompts: 
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
-def test_small_pool_preempts_and_resumes_exactly(tiny_ckpt, uninterrupted, mode):
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_small_pool_preempts_and_resumes_exactly(tiny_ckpt, uninterrupted, mode, policy):
     """Six requests that outgrow a pool of 40 positions per plane together: the latest-arrived
     running request is preempted again and again."""
     want = _want(tiny_ckpt, uninterrupted, mode, SHORT)
-    engine = _engine(tiny_ckpt, POOL, **MODES[mode])
+    engine = _engine(tiny_ckpt, POOL, preemption_mode=policy, **MODES[mode])
     watch = _Watch(engine)
     got = _run(engine, SHORT)
     assert engine.stats().num_preemptions == len(watch.victims) >= 5
@@ -118,13 +119,14 @@ def test_small_pool_preempts_and_resumes_exactly(tiny_ckpt, uninterrupted, mode)
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
-def test_forced_preemptions_at_any_step_resume_exactly(tiny_ckpt, uninterrupted, mode):
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_forced_preemptions_at_any_step_resume_exactly(tiny_ckpt, uninterrupted, mode, policy):
     """Preempting requests at fixed steps, prompt chunks and rounds or pipelines mid-flight
     included, changes nothing they emit."""
     want = _want(tiny_ckpt, uninterrupted, mode, PROMPTS)
-    engine = _engine(tiny_ckpt, LARGE, **MODES[mode])
+    engine = _engine(tiny_ckpt, LARGE, preemption_mode=policy, **MODES[mode])
     watch = _Watch(engine)
-    force = {s: k % 3 for k, s in enumerate(range(1, 60, 4))}  # r0, r1 (sampled), r2, r0, ...
+    force = {s: k % 3 for k, s in enumerate(range(1, 60, 3))}  # r0, r1 (sampled), r2, r0, ...
     got = _run(engine, PROMPTS, force)
     assert len(watch.victims) >= 6
     if MODES[mode].get("speculation"):

@@ -13,7 +13,7 @@ from typing import Any
 from specloop.errors import ConfigError
 
 SPECULATION_MODES = ("none", "block", "pipeline")
-PREEMPTION_MODES = ("recompute",)  # swap (snapshot to host memory) comes with snapshot/restore
+PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -40,7 +40,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k: candidates drafted per round
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
-    preemption_mode: str = "recompute"  # when KV pages run out: drop the latest request's KV, re-enter it later
+    preemption_mode: str = "recompute"  # KV pages ran out: recompute (re-enter its tokens) | swap (snapshot to host)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

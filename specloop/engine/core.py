@@ -115,7 +115,9 @@ class EngineCore:
                                      self.model.dtype, device, verifier).registry()
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
-                                   adaptive_exit=threshold < 1.0, speculation=speculation)
+                                   adaptive_exit=threshold < 1.0, speculation=speculation,
+                                   preemption_mode=config.preemption_mode)
+        self.scheduler.swap_out, self.scheduler.swap_in = self._swap_out, self._swap_in
         # One page past the KV manager's: the sink padding rows of a CUDA graph write.
         kv = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
                      mcfg.head_dim, self.model.dtype, device)
@@ -286,6 +288,7 @@ class EngineCore:
         except BaseException as exc:
             self.failure = exc
             raise
+        assert not self._inflight, "a legal point: no ticket in flight"
         req = self.requests.get(request_id)
         if req is None:
             raise SnapshotError(f"request {request_id!r} finished while the tickets in flight completed")
@@ -297,6 +300,22 @@ class EngineCore:
         self._check_alive()
         check_snapshot(self, snapshot)
         install_snapshot(self, snapshot)
+
+    def _swap_out(self, req: Request) -> None:
+        """Swap preemption: the request's last ticket completed; keep its snapshot in host memory."""
+        req.swapped = capture(self, req)
+
+    def _swap_in(self, req: Request) -> bool:
+        """Restore a swapped-out request at the head of the queue, if there is room now."""
+        try:
+            check_snapshot(self, req.swapped, replacing=req)
+        except SnapshotError:
+            return False
+        self.scheduler.waiting.popleft()
+        del self.requests[req.request_id]
+        del self._detok[req.request_id]
+        install_snapshot(self, req.swapped)
+        return True
 
     def _quiesce(self) -> list[RequestOutput]:
         """Commit every ticket in flight: afterwards no request has rows on the device."""

@@ -108,9 +108,10 @@ def engine_fingerprint(core: "EngineCore") -> dict[str, Any]:
 
 # ---- capture ---------------------------------------------------------------------------
 def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
-    """The snapshot of a running or waiting request; the engine must hold no ticket in flight."""
-    assert not core._inflight, "snapshot at a legal point: no ticket in flight"
-    if req.status is Status.RUNNING:
+    """The snapshot of a request at a legal point: no ticket in flight holds its rows (the
+    caller's promise: `EngineCore.snapshot` commits every ticket first, a swap-out waits for
+    the request's last ticket)."""
+    if req.status in (Status.RUNNING, Status.SWAPPING):
         kv, slots, cell = _capture_kv(core, req), _capture_slots(core, req), _capture_cell(core, req)
     else:  # waiting (new or preempted by recompute): nothing on the device yet
         kv, slots, cell = None, None, None
@@ -181,12 +182,18 @@ def _capture_slots(core: "EngineCore", req: Request) -> dict[str, Any]:
 
 def _capture_cell(core: "EngineCore", req: Request) -> dict[str, Any]:
     runner = core.executor.runner
-    cell: dict[str, Any] = {"next_token": runner.next_token[req.cell].cpu()}
+    cell: dict[str, Any] = {"next_token": _copy(runner.next_token[req.cell])}
     heads = core.speculation_heads
     if heads is not None:
-        cell["draft_tokens"] = heads.draft_tokens[req.cell].cpu()
-        cell["draft_probs"] = heads.draft_probs[req.cell].cpu()
+        cell["draft_tokens"] = _copy(heads.draft_tokens[req.cell])
+        cell["draft_probs"] = _copy(heads.draft_probs[req.cell])
     return cell
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy that owns its storage (`.cpu()` of a CPU view would share it, and the cell
+    is rewritten once the request leaves it)."""
+    return t.to("cpu", copy=True)
 
 
 def _page_rows(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
@@ -196,8 +203,9 @@ def _page_rows(pages: list[int], page_size: int, device: torch.device) -> torch.
 
 
 # ---- restore ---------------------------------------------------------------------------
-def check(core: "EngineCore", snap: RequestSnapshot) -> None:
-    """Refuse, before any change, a snapshot this engine cannot resume exactly."""
+def check(core: "EngineCore", snap: RequestSnapshot, replacing: Request | None = None) -> None:
+    """Refuse, before any change, a snapshot this engine cannot resume exactly (`replacing`:
+    the swapped-out request the snapshot is of, which holds its ID meanwhile)."""
     data = snap.data
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapshotError("not a request snapshot (no specloop.request-snapshot format tag)")
@@ -209,7 +217,7 @@ def check(core: "EngineCore", snap: RequestSnapshot) -> None:
         if ours.get(key) != value:
             raise SnapshotError(f"the snapshot was taken with {key}={value!r}, this engine has {ours.get(key)!r}")
     rid = snap.request_id
-    if rid in core.requests:
+    if rid in core.requests and core.requests[rid] is not replacing:
         raise SnapshotError(f"request_id {rid!r} is already in use")
     if data["kv"] is None:
         return
@@ -242,7 +250,7 @@ def install(core: "EngineCore", snap: RequestSnapshot) -> Request:
     req.incarnation = new_incarnation()
     sched = core.scheduler
     if data["kv"] is None:
-        req.round = _restore_round(r["round"], [])
+        req.round = _restore_round(r["round"], None)
         sched.waiting.appendleft(req)
     else:
         held = r["round"].get("slots") if r["round"] and r["round"]["kind"] == "round" else None

@@ -25,6 +25,7 @@ def new_incarnation() -> int:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPING = "swapping"  # preempted by swap: no longer planned, its last tickets still in flight
     FINISHED = "finished"
 
 
@@ -76,6 +77,7 @@ class Request:
     replay: list[int] = dataclasses.field(default_factory=list)
     resume_token: int | None = None
     num_preemptions: int = 0
+    swapped: Any = None  # after a swap preemption: its snapshot in host memory, restored at admission
     # Committed state:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None

@@ -21,8 +21,10 @@ and its prompt's pages are taken then. Before each plan every running request's 
 grow to cover what the plan may enter at depth 0 (`_need`), oldest first; when the pool
 cannot serve, the latest-arrived running request is preempted (recompute: its KV, token
 slots and cell return once the tickets in flight completed, and it waits at the head of
-the queue to re-enter its prompt and committed tokens), so preempted requests resume
-before new admissions. Growing there, before any controller plans, keeps planning free
+the queue to re-enter its prompt and committed tokens; swap: it is no longer planned, and
+once its last ticket completed the engine snapshots it to host memory and frees its
+storage, `swap_out`, and restores it at admission, `swap_in`), so preempted requests
+resume before new admissions. Growing there, before any controller plans, keeps planning free
 of page failures: `build_group` only draws on pages already covered.
 """
 
@@ -91,7 +93,7 @@ class _PlanBuilder:
 class Scheduler:
     def __init__(
         self, kv: KVManager, num_loops: int, max_rows: int, max_seqs: int, num_token_slots: int,
-        adaptive_exit: bool, speculation: Controller | None = None,
+        adaptive_exit: bool, speculation: Controller | None = None, preemption_mode: str = "recompute",
     ) -> None:
         self.kv = kv
         self.num_loops = num_loops
@@ -106,6 +108,12 @@ class Scheduler:
         self.watermark_pages = max(kv.num_planes, kv.num_pages // 100)  # kept free at admission while others run
         self.num_preemptions = 0
         self._returning = 0  # pages of preempted requests whose release waits for a ticket
+        self.preemption_mode = preemption_mode
+        # Swap preemption's device half, set by the engine: snapshot a quiet request to host
+        # memory and free its storage; restore one at admission (False: no room yet).
+        self.swap_out: Callable[[Request], None] | None = None
+        self.swap_in: Callable[[Request], bool] | None = None
+        self._swapping: dict[int, int] = {}  # arrival -> pages of requests being swapped out
         self.token_slots = TokenSlotPool(num_token_slots)
         self.cells = CellPool(max_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -126,12 +134,21 @@ class Scheduler:
         """End a request now; its storage returns once every submitted ticket completed."""
         if req.status is Status.WAITING:
             self.waiting.remove(req)
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
+        elif req.status in (Status.RUNNING, Status.SWAPPING):
+            returning = self._swapping.pop(req.arrival, 0) if req.status is Status.SWAPPING else 0
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
             slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
             self.token_slots.retire(slots)
             key, cell = req.kv_key, req.cell
-            self._defer(lambda: (self.kv.free(key), self.token_slots.release(slots), self.cells.give([cell])))
+
+            def release() -> None:
+                self.kv.free(key)
+                self.token_slots.release(slots)
+                self.cells.give([cell])
+                self._returning -= returning
+
+            self._defer(release)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.incarnation = new_incarnation()  # results still in flight are now stale
@@ -152,14 +169,24 @@ class Scheduler:
             self._deferred.append((last_submitted, action))
 
     def preempt(self, req: Request) -> None:
-        """Recompute preemption of a running request: its KV, token slots and cell return once
-        the tickets in flight completed (their results turn stale), and it waits at the head of
-        the queue to re-enter its prompt and committed tokens (`Request.replay`)."""
+        """Preempt a running request (`preemption_mode`). Recompute: its KV, token slots and
+        cell return once the tickets in flight completed (their results turn stale), and it
+        waits at the head of the queue to re-enter its prompt and committed tokens
+        (`Request.replay`). Swap: it is no longer planned; once its last ticket completed (and
+        committed) the engine's `swap_out` snapshots and frees it, and it waits at the head of
+        the queue for `swap_in`."""
         self.running.remove(req)
+        self.num_preemptions += 1
+        pages = self.kv.held_pages(req.kv_key)
+        self._returning += pages
+        if self.preemption_mode == "swap":
+            req.status = Status.SWAPPING
+            self._swapping[req.arrival] = pages
+            self._defer(lambda: self._swap_out(req))
+            return
         slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
         self.token_slots.retire(slots)
-        key, cell, pages = req.kv_key, req.cell, self.kv.held_pages(req.kv_key)
-        self._returning += pages
+        key, cell = req.kv_key, req.cell
 
         def release() -> None:
             self.kv.free(key)
@@ -179,7 +206,21 @@ class Scheduler:
         req.incarnation = new_incarnation()
         req.status = Status.WAITING
         self.waiting.appendleft(req)  # victims go latest-arrived first, so the queue's head stays oldest
-        self.num_preemptions += 1
+
+    def _swap_out(self, req: Request) -> None:
+        """A swapping request's last ticket completed: snapshot it, free its storage, queue it."""
+        if req.status is not Status.SWAPPING:
+            return  # it finished or failed while its last tickets committed
+        self.swap_out(req)  # the engine snapshots it into req.swapped
+        slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
+        self.token_slots.retire(slots)
+        self.token_slots.release(slots)
+        self.kv.free(req.kv_key)
+        self.cells.give([req.cell])
+        self._returning -= self._swapping.pop(req.arrival)
+        req.token_slots, req.cell = {}, -1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
 
     # ---- planning -------------------------------------------------------------------
     def _can_admit(self, req: Request) -> bool:
@@ -189,17 +230,28 @@ class Scheduler:
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
         return self.kv.pages_for(tokens) + spare <= self.kv.num_available_pages
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Admit from the head of the queue while there is room; returns the admitted."""
+        admitted: list[Request] = []
+        if self._swapping:
+            return admitted  # a request being swapped out resumes before anyone new is admitted
         while self.waiting and self.cells.num_free:
             req = self.waiting[0]
+            if req.swapped is not None:  # swapped out: the engine restores it if there is room
+                if not self.swap_in(req):
+                    return admitted
+                admitted.append(self.running[-1])  # the restored request
+                continue
             if not self._can_admit(req):
-                return  # FCFS: nobody overtakes the head of the queue
+                return admitted  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0)
             self.kv.ensure(req.kv_key, req.num_host_tokens)  # the prompt's pages, now
             req.cell = self.cells.take()
             req.status = Status.RUNNING
             self.running.append(req)
+            admitted.append(req)
+        return admitted
 
     def _need(self, req: Request) -> int:
         """Positions the request's tables must cover before it is planned. Every row a plan
@@ -235,7 +287,11 @@ class Scheduler:
         (`take_failed`), its groups planned so far stay in the plan (their results turn
         stale once the caller ends the request), and the others are planned as usual."""
         blocked = self._make_room()
-        self._admit()
+        for req in self._admit():  # a restored request may need to grow for this plan too
+            if self.kv.can_ensure(req.kv_key, self._need(req)):
+                self.kv.ensure(req.kv_key, self._need(req))
+            else:
+                blocked.add(req.arrival)
         budget = self.max_rows
         groups: list[RowGroup] = []
         release: list[int] = []
