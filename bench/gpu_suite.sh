@@ -21,7 +21,7 @@ TAIL=30 step 330 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py tes
   tests/test_fused_projections.py
 fi
 if [ "$PART" = preempt ] || [ "$PART" = all ]; then
-TAIL=12 step 200 python -m pytest -q -rf --tb=short tests/test_preemption.py
+TAIL=12 step 300 python -m pytest -q -rf --tb=short tests/test_preemption.py tests/test_snapshot.py
 fi
 [ "$PART" = tests ] && exit 0
 [ "$PART" = preempt ] && python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 \

@@ -5,7 +5,8 @@ mid-pipeline), the snapshot goes through bytes, and a fresh engine restores it: 
 committed tokens plus what the restored request emits equal an uninterrupted run (same
 tokens, logprobs within 1e-4), greedy and seeded sampled. The snapshotting engine runs on
 unchanged. A restore that cannot resume exactly (another format version or configuration,
-the ID in use, no room) raises SnapshotError and leaves the engine as it was.
+the ID in use, no room) raises SnapshotError and leaves the engine as it was. On the GPU
+where there is one (Triton attention, CUDA graphs), on the CPU otherwise.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from tests.engine_runs import MODES, Outputs, assert_same
 
 PROMPTS = [list(range(3, 17)), [5, 9, 2], list(range(40, 20, -1)), [7] * 9]
 MAX_TOKENS = 12
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _engine(ckpt, pages: int = 2048, **mode) -> EngineCore:
-    return EngineCore(EngineConfig.from_kwargs(str(ckpt), device="cpu", dtype="float32", block_size=4,
+    return EngineCore(EngineConfig.from_kwargs(str(ckpt), device=DEVICE, dtype="float32", block_size=4,
                                                num_kv_pages=pages, max_num_seqs=8, max_num_batched_tokens=48,
                                                **mode))
 
