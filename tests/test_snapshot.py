@@ -172,3 +172,13 @@ def test_garbage_bytes_and_unknown_requests(tiny_ckpt):
         RequestSnapshot.from_bytes(b"not a snapshot")
     with pytest.raises(InvalidRequestError):
         _engine(tiny_ckpt).snapshot("nobody")
+
+
+def test_snapshots_carry_every_per_slot_tensor():
+    """A field added to the slot storage (the sparse-decode reference state) must be carried
+    by snapshots, or a restored token would lose it."""
+    from specloop.runtime.slot_storage import SlotStorage
+
+    storage = SlotStorage(4, 8, torch.float32, torch.device("cpu"))
+    per_slot = {name for name, value in vars(storage).items() if isinstance(value, torch.Tensor)}
+    assert per_slot - {"incarnation"} == set(SlotStorage.CARRIED)

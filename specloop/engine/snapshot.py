@@ -35,6 +35,7 @@ from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.errors import SpecloopError
 from specloop.pipeline.rounds import Round
 from specloop.pipeline.token_pipeline import LiveToken, PipelineState
+from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.request import Request, Status, new_incarnation
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 FORMAT = "specloop.request-snapshot"
 VERSION = 1
-SLOT_FIELDS = ("hidden", "survival", "exited", "depth", "candidate")
+SLOT_FIELDS = SlotStorage.CARRIED
 
 
 class SnapshotError(SpecloopError):

@@ -27,6 +27,11 @@ import torch
 
 
 class SlotStorage:
+    # What a live token carries, and so what a request snapshot saves per live slot (the
+    # incarnation is given anew on restore). State added here (the sparse-decode reference)
+    # joins the list, and snapshots carry it.
+    CARRIED = ("hidden", "survival", "exited", "depth", "candidate")
+
     def __init__(self, num_slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.hidden = torch.zeros(num_slots, hidden_size, dtype=dtype, device=device)
         self.survival = torch.ones(num_slots, dtype=torch.float32, device=device)
