@@ -178,7 +178,7 @@ class EngineCore:
         """
         if self.failure is not None:
             raise EngineDeadError(f"the engine stopped after a failed forward call: {self.failure}")
-        if request_id in self.requests:
+        if self.id_in_use(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         try:
             ids = self._prompt_ids(prompt)
@@ -249,6 +249,12 @@ class EngineCore:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
+
+    def id_in_use(self, request_id: str) -> bool:
+        """A live request has it, or a finished one whose outputs are still owed (it finished
+        while a snapshot committed the tickets in flight; the next step hands them out): a
+        new request under that ID would receive them."""
+        return request_id in self.requests or any(o.request_id == request_id for o in self._pending)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now; its final output says finish_reason='abort'."""

@@ -112,6 +112,8 @@ def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
     """The snapshot of a request at a legal point: no ticket in flight holds its rows (the
     caller's promise: `EngineCore.snapshot` commits every ticket first, a swap-out waits for
     the request's last ticket)."""
+    if req.swapped is not None:  # swapped out: its KV lives only in the swap-out snapshot, and
+        return req.swapped  # nothing about it has changed since (no ticket holds it)
     if req.status in (Status.RUNNING, Status.SWAPPING):
         kv, slots, cell = _capture_kv(core, req), _capture_slots(core, req), _capture_cell(core, req)
     else:  # waiting (new or preempted by recompute): nothing on the device yet
@@ -218,7 +220,7 @@ def check(core: "EngineCore", snap: RequestSnapshot, replacing: Request | None =
         if ours.get(key) != value:
             raise SnapshotError(f"the snapshot was taken with {key}={value!r}, this engine has {ours.get(key)!r}")
     rid = snap.request_id
-    if rid in core.requests and core.requests[rid] is not replacing:
+    if core.id_in_use(rid) and (replacing is None or core.requests.get(rid) is not replacing):
         raise SnapshotError(f"request_id {rid!r} is already in use")
     if data["kv"] is None:
         return

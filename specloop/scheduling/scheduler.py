@@ -287,11 +287,8 @@ class Scheduler:
         (`take_failed`), its groups planned so far stay in the plan (their results turn
         stale once the caller ends the request), and the others are planned as usual."""
         blocked = self._make_room()
-        for req in self._admit():  # a restored request may need to grow for this plan too
-            if self.kv.can_ensure(req.kv_key, self._need(req)):
-                self.kv.ensure(req.kv_key, self._need(req))
-            else:
-                blocked.add(req.arrival)
+        if self._admit():  # a restored request may need to grow for this plan too, preempting as above
+            blocked |= self._make_room()  # (blocking it instead stalled when restores had filled the pool)
         budget = self.max_rows
         groups: list[RowGroup] = []
         release: list[int] = []
