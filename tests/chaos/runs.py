@@ -11,6 +11,8 @@ import dataclasses
 import random
 from typing import Any
 
+import torch
+
 from specloop.engine.config import PREEMPTION_MODES
 from tests.chaos.schedule import random_prompts
 from tests.engine_runs import MODES
@@ -20,6 +22,7 @@ TINY_POSITIONS = 32  # per plane of the KV pool: short prompts that outgrow it t
 TINY_GREEDY_MAX_TOKENS = (2, 4, 8, 12, 16)
 TINY_SAMPLED_MAX_TOKENS = (4, 8)
 TINY_SEEDS = {mode: 1300 + i for i, mode in enumerate(MODES)}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tiny runs go through the GPU path where there is one
 
 
 def policy(mode: str, turn: int) -> str:
@@ -29,7 +32,7 @@ def policy(mode: str, turn: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TinyRun:
-    """One mode's engine options and prompt pool on the tiny checkpoint (fp32, CPU)."""
+    """One mode's engine options and prompt pool on the tiny checkpoint (fp32; CUDA where there is one)."""
 
     mode: str
     seed: int
@@ -45,7 +48,7 @@ def tiny_run(mode: str, turn: int, seed: int | None = None) -> TinyRun:
     seed = TINY_SEEDS[mode] if seed is None else seed
     rng = random.Random(seed)
     block_size = rng.choice([2, 4])
-    options = dict(device="cpu", dtype="float32", block_size=block_size,
+    options = dict(device=DEVICE, dtype="float32", block_size=block_size,
                    num_kv_pages=4 * TINY_POSITIONS // block_size, max_num_seqs=12, max_num_batched_tokens=48,
                    max_inflight_tickets=rng.choice([1, 2, 3]), preemption_mode=policy(mode, turn), **MODES[mode])
     return TinyRun(mode, seed, options, random_prompts(seed, 12, TINY_VOCAB, (1, 8)))
