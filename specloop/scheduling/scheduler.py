@@ -138,17 +138,7 @@ class Scheduler:
             returning = self._swapping.pop(req.arrival, 0) if req.status is Status.SWAPPING else 0
             if req.status is Status.RUNNING:
                 self.running.remove(req)
-            slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
-            self.token_slots.retire(slots)
-            key, cell = req.kv_key, req.cell
-
-            def release() -> None:
-                self.kv.free(key)
-                self.token_slots.release(slots)
-                self.cells.give([cell])
-                self._returning -= returning
-
-            self._defer(release)
+            self._drop_storage(req, returning)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.incarnation = new_incarnation()  # results still in flight are now stale
@@ -168,6 +158,25 @@ class Scheduler:
         else:
             self._deferred.append((last_submitted, action))
 
+    def _drop_storage(self, req: Request, returning: int = 0, now: bool = False) -> None:
+        """Give back the request's pages, token slots and cell: once the tickets in flight
+        completed, or `now` when none holds its rows; `returning` pages then leave the count
+        of preempted pages on their way back."""
+        slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
+        self.token_slots.retire(slots)
+        key, cell = req.kv_key, req.cell
+
+        def release() -> None:
+            self.kv.free(key)
+            self.token_slots.release(slots)
+            self.cells.give([cell])
+            self._returning -= returning
+
+        if now:
+            release()
+        else:
+            self._defer(release)
+
     def preempt(self, req: Request) -> None:
         """Preempt a running request (`preemption_mode`). Recompute: its KV, token slots and
         cell return once the tickets in flight completed (their results turn stale), and it
@@ -184,17 +193,7 @@ class Scheduler:
             self._swapping[req.arrival] = pages
             self._defer(lambda: self._swap_out(req))
             return
-        slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
-        self.token_slots.retire(slots)
-        key, cell = req.kv_key, req.cell
-
-        def release() -> None:
-            self.kv.free(key)
-            self.token_slots.release(slots)
-            self.cells.give([cell])
-            self._returning -= pages
-
-        self._defer(release)
+        self._drop_storage(req, pages)
         committed = req.output_ids
         if self.speculation is not None and committed:  # the controller resumes from the last one
             req.replay, req.resume_token = committed[:-1], committed[-1]
@@ -212,12 +211,7 @@ class Scheduler:
         if req.status is not Status.SWAPPING:
             return  # it finished or failed while its last tickets committed
         self.swap_out(req)  # the engine snapshots it into req.swapped
-        slots = list(dict.fromkeys(list(req.token_slots.values()) + self.controller(req).held_slots(req)))
-        self.token_slots.retire(slots)
-        self.token_slots.release(slots)
-        self.kv.free(req.kv_key)
-        self.cells.give([req.cell])
-        self._returning -= self._swapping.pop(req.arrival)
+        self._drop_storage(req, self._swapping.pop(req.arrival), now=True)
         req.token_slots, req.cell = {}, -1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
