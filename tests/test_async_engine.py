@@ -81,6 +81,17 @@ async def test_shutdown_then_generate_fails(tiny_ckpt):
         await _collect(eng, [5], GREEDY)
 
 
+async def test_a_command_that_races_the_shutdown_is_answered(tiny_ckpt):
+    """A command queued after the engine thread stopped taking commands (a caller that passed
+    its liveness check just before `shutdown`) gets EngineDeadError instead of waiting forever."""
+    eng = AsyncEngine.from_options(str(tiny_ckpt), device="cpu")
+    await eng.shutdown()
+    assert not eng._thread.is_alive()
+    late = eng._submit(lambda: "ran")  # past the check a public call would make
+    with pytest.raises(EngineDeadError):
+        late.result(timeout=5)
+
+
 def test_llm_outputs(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), device="cpu")
     outs = llm.generate(["hello", "def f(x):"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))

@@ -73,6 +73,10 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stopping = threading.Event()
+        # Set by the engine thread as it stops taking commands; a command queued after that is
+        # answered by its caller (`_submit`): the lock orders the two.
+        self._closed = False
+        self._close_lock = threading.Lock()
         self.error: BaseException | None = None
         self._stats = self.core.stats()
         self.tokenizer_pool = TokenizerPool(self.core.tokenizer)
@@ -170,9 +174,13 @@ class AsyncEngine:
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        with self._close_lock:
+            self._commands.put((fn, future))
+            closed = self._closed
         if self.error is not None:  # the engine thread died after the caller's check: answer here
             self._fail_pending(self.error)
+        elif closed:  # it stopped (shutdown) after the caller's check
+            self._fail_pending(EngineDeadError("the engine is shut down"))
         return future
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
@@ -209,6 +217,9 @@ class AsyncEngine:
                     self._stats = self.core.stats()  # a caller that saw its output sees its effect
                     self._deliver(outputs)
                 self._stats = self.core.stats()
+            with self._close_lock:  # shut down: commands queued from now on are answered by `_submit`
+                self._closed = True
+            self._fail_pending(EngineDeadError("the engine is shut down"))
         except BaseException as exc:  # the engine is dead: tell every waiter
             log.exception("engine thread failed")
             self.error = exc
