@@ -4,14 +4,7 @@ counter shows in /metrics under both namings."""
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
-
-from server.testing import ServerProcess
-from specloop.assets import default_model_path
-from tests.test_server import stream_events
-from tests.test_server_speculation import PROMPTS, expected  # noqa: F401  (the fixture)
+from tests.test_server_speculation import assert_plain_greedy, expected, serve_streams  # noqa: F401  (the fixture)
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -23,22 +16,9 @@ def _counter(metrics: str, name: str) -> float:
 async def test_streams_survive_preemption(expected):  # noqa: F811
     # 40 pages of 4 positions over 4 planes: 40 positions per plane, against 16 requests of
     # up to 26 positions each.
-    srv = ServerProcess(["--model", str(default_model_path()), "--device", "cpu", "--dtype", "float64",
-                         "--block-size", "4", "--num-kv-pages", "40", "--preemption-mode", "recompute",
-                         "--log-level", "warning"], env={"OMP_NUM_THREADS": "1"})
-    srv.start()
-    try:
-        body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
-            results = await asyncio.gather(*(stream_events(client, "/v1/completions", {**body, "prompt": PROMPTS[i % 8]})
-                                             for i in range(16)))
-            metrics = (await client.get("/metrics")).text
-    finally:
-        assert srv.stop() == 0, srv.output
-    for i, events in enumerate(results):
-        assert events[-1] == "[DONE]"
-        tokens = [t for chunk in events[:-1] for c in chunk["choices"] for t in c["token_ids"]]
-        assert tokens == expected[i % 8], f"stream {i}"
+    results, metrics = await serve_streams(["--block-size", "4", "--num-kv-pages", "40",
+                                            "--preemption-mode", "recompute"])
+    assert_plain_greedy(results, expected)
     preemptions = _counter(metrics, "specloop_num_preemptions_total")
     assert preemptions > 0
     assert _counter(metrics, "vllm:num_preemptions_total") == preemptions

@@ -30,11 +30,11 @@ def expected():
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("spec", [["--speculation", "pipeline", "--draft-loops", "1"],
-                                  ["--speculation", "block", "--num-speculative-tokens", "4"]])
-async def test_concurrent_streams_under_speculation(expected, spec):
+async def serve_streams(args: list[str]) -> tuple[list[list], str]:
+    """16 concurrent greedy streams of PROMPTS through a server of the shipped model started
+    with `args`; each stream's events and the /metrics text after them (the server must exit 0)."""
     srv = ServerProcess(["--model", str(default_model_path()), "--device", "cpu", "--dtype", "float64",
-                         "--log-level", "warning", *spec], env={"OMP_NUM_THREADS": "1"})
+                         "--log-level", "warning", *args], env={"OMP_NUM_THREADS": "1"})
     srv.start()
     try:
         body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
@@ -44,9 +44,20 @@ async def test_concurrent_streams_under_speculation(expected, spec):
             metrics = (await client.get("/metrics")).text
     finally:
         assert srv.stop() == 0, srv.output
+    return results, metrics
+
+
+def assert_plain_greedy(results: list[list], expected: list[list[int]]) -> None:
     for i, events in enumerate(results):
         assert events[-1] == "[DONE]"
         tokens = [t for chunk in events[:-1] for c in chunk["choices"] for t in c["token_ids"]]
         assert tokens == expected[i % 8], f"stream {i}"
+
+
+@pytest.mark.parametrize("spec", [["--speculation", "pipeline", "--draft-loops", "1"],
+                                  ["--speculation", "block", "--num-speculative-tokens", "4"]])
+async def test_concurrent_streams_under_speculation(expected, spec):
+    results, metrics = await serve_streams(spec)
+    assert_plain_greedy(results, expected)
     drafts = [line for line in metrics.splitlines() if line.startswith("specloop_spec_decode_num_drafts")]
     assert drafts and float(drafts[0].split()[-1]) > 0

@@ -176,8 +176,7 @@ class EngineCore:
         failed add leaves no trace; an unexpected failure (a tokenizer bug, say) raises
         RequestFailedError and the engine goes on serving.
         """
-        if self.failure is not None:
-            raise EngineDeadError(f"the engine stopped after a failed forward call: {self.failure}")
+        self._check_alive()
         if self.id_in_use(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         try:
@@ -348,8 +347,7 @@ class EngineCore:
         it) ends that request with an error and the step goes on; anything else raised
         here (a forward call, shared bookkeeping) may have corrupted shared state, so it
         marks the engine dead and propagates."""
-        if self.failure is not None:
-            raise EngineDeadError(f"the engine stopped after a failed forward call: {self.failure}")
+        self._check_alive()
         try:
             return self._step()
         except BaseException as exc:
