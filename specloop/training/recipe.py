@@ -18,7 +18,7 @@ from specloop.model.ouro import OuroModel
 DEFAULT_MODEL = ModelConfig(
     vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
     num_attention_heads=4, num_key_value_heads=4, head_dim=64, total_ut_steps=4,
-    rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=1024,
+    rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=4096,
     early_exit_threshold=1.0, eos_token_ids=(0,), bos_token_id=None,
 )
 
@@ -33,8 +33,8 @@ class TrainConfig:
     """Everything that determines a training run besides the corpus."""
 
     seed: int = 0
-    seq_len: int = 1024
-    batch_size: int = 32
+    seq_len: int = 4096  # the trained context: long enough for FlashLoop's prompt windows
+    batch_size: int = 8  # 32K tokens a step, as at the first recipe's 32 x 1024
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 200
