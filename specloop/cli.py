@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import io
 import os
 import sys
@@ -103,6 +104,9 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "preemption_mode": (str, "what preemption does to the latest-arrived running request when KV pages run out: "
                         "recompute (drop its KV, re-enter its prompt and tokens later) or swap (snapshot it to "
                         "host memory, restore it later)"),
+    "token_sparse_prefill": (str, "FlashLoop token-sparse prefill as a JSON object with enabled, window (prompt "
+                             "tokens per selection window) and retention (per loop); '{}' switches it on with "
+                             "the defaults"),
 }
 # What an unset option means where EngineConfig's default is None (no value to show).
 UNSET_MEANS = {
@@ -117,7 +121,12 @@ def engine_option_help(name: str) -> str:
     """The option's help with EngineConfig's default, read from the dataclass (never restated here)."""
     from specloop.engine.config import EngineConfig
 
-    default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}[name]
+    field = {f.name: f for f in dataclasses.fields(EngineConfig)}[name]
+    default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    if dataclasses.is_dataclass(default):  # a FlashLoop group: its options as JSON
+        from specloop.flashloop.config import summary
+
+        default = json.dumps(summary(default))
     shown = UNSET_MEANS.get(name, "unset") if default is None else default
     return f"{ENGINE_OPTIONS[name][1]} (default: {shown})".replace("%", "%%")
 

@@ -21,6 +21,11 @@ one of:
 - `VerifyCandidate`: one row at full depth checks one drafted candidate (a token
   pipeline's oldest live token checks the next).
 
+A group at a sparse loop of token-sparse prefill (`window` set) covers one prompt window
+[start, end) logically but runs only `window.rows` of the tokens the window keeps at that
+depth; which ones is decided on the device (the runner scores the window when the first
+of its groups runs), so its rows' positions and token slots are filled in there.
+
 The scheduler is the plan's one writer; controllers describe the groups they want and
 the scheduler builds them.
 """
@@ -61,6 +66,22 @@ class VerifyCandidate:
     num_candidates = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseWindow:
+    """A window's rows at a sparse loop: ranks [first, first + rows) of the `budget` tokens it
+    keeps there, in position order. The group with first == 0 selects them (and makes the
+    others inherit their previous-loop K/V); the one reaching `budget` completes the window."""
+
+    budget: int
+    first: int
+    rows: int
+    inherit_table: list[int]  # pages of the previous depth's plane covering [0, end)
+
+    @property
+    def completes(self) -> bool:
+        return self.first + self.rows == self.budget
+
+
 Head = Sample | Draft | Verify | VerifyCandidate | None
 HOST_HEADS = (Sample, Verify, VerifyCandidate)  # heads whose tokens go to the host
 
@@ -82,10 +103,16 @@ class RowGroup:
     # adaptive exit, every deeper plane (where an exiting token's K/V is inherited)
     head: Head = None
     loops: int = 1  # consecutive loops the rows run in this call
+    window: SparseWindow | None = None  # a sparse loop of token-sparse prefill (token_slots: the window's)
 
     @property
     def num_rows(self) -> int:
-        return self.end - self.start
+        return self.window.rows if self.window is not None else self.end - self.start
+
+    @property
+    def completes(self) -> bool:
+        """Whether the group's positions [start, end) are done at its depths after it runs."""
+        return self.window is None or self.window.completes
 
     @property
     def last_depth(self) -> int:

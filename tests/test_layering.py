@@ -29,6 +29,7 @@ RANKS: dict[str, float] = {
     "specloop/sampling_params.py": 0,
     "specloop/protocol.py": 0,
     "specloop/plan.py": 0,  # plans: torch-free data from the scheduler to the runner
+    "specloop/flashloop/": 0,  # FlashLoop configuration groups and window geometry (torch-free)
     "specloop/assets/": 0,
     "specloop/kernels/": 0.5,
     "specloop/model/": 1,
@@ -54,7 +55,7 @@ APART = {("specloop/runtime/", "specloop/scheduling/"), ("specloop/scheduling/",
 ONLY = {"specloop/kernels/": {"specloop/errors.py"}}
 # Layers that may not import these third-party packages, directly or through the specloop
 # modules they import at module level.
-NO_THIRD_PARTY = {"specloop/scheduling/": ("torch", "triton")}
+NO_THIRD_PARTY = {"specloop/scheduling/": ("torch", "triton"), "specloop/flashloop/": ("torch", "triton")}
 
 
 @dataclasses.dataclass(frozen=True)

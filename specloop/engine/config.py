@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from specloop.errors import ConfigError
+from specloop.flashloop.config import TokenSparsePrefill, summary as group_summary
 
 SPECULATION_MODES = ("none", "block", "pipeline")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -41,8 +42,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
     preemption_mode: str = "recompute"  # KV pages ran out: recompute (re-enter its tokens) | swap (snapshot to host)
+    # FlashLoop groups (off by default): a dict, a JSON object string or the group's dataclass.
+    token_sparse_prefill: TokenSparsePrefill = dataclasses.field(default_factory=TokenSparsePrefill)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "token_sparse_prefill", TokenSparsePrefill.parse(self.token_sparse_prefill))
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -80,5 +85,7 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def summary(self) -> dict[str, Any]:
-        """Every option, for diagnostics and benchmark records."""
-        return dataclasses.asdict(self)
+        """Every option, for diagnostics and benchmark records (plain JSON data)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["token_sparse_prefill"] = group_summary(self.token_sparse_prefill)
+        return out

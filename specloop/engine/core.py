@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 import os
 from typing import Any
 
@@ -30,6 +31,7 @@ from specloop.engine.snapshot import RequestSnapshot, SnapshotError, capture
 from specloop.engine.snapshot import check as check_snapshot
 from specloop.engine.snapshot import install as install_snapshot
 from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
+from specloop.flashloop.config import TokenSparsePrefill
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.heads import SpeculationHeads, Verifier
 from specloop.pipeline.metrics import SpeculationMetrics
@@ -73,6 +75,20 @@ class EngineStats:
     num_preemptions: int = 0  # running requests preempted so far (they resume by recompute)
 
 
+def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loops: int, num_token_slots: int) -> int:
+    """The most window token slots one plan's sparse prefill groups carry (0: none): complete
+    groups run at least retention x their window's tokens, so they carry at most rows /
+    retention; each request and sparse depth may add one window split by the budget."""
+    if not sparse.active:
+        return 0
+    if sparse.window > num_token_slots:
+        raise ConfigError(f"token_sparse_prefill.window ({sparse.window}) exceeds the engine's {num_token_slots} "
+                          f"token slots: a window's tokens wait for each other before the sparse loops; raise "
+                          f"max_num_batched_tokens or use a smaller window")
+    least = min(sparse.retention)
+    return math.ceil(rows / least) + max_seqs * (num_loops - 2) * sparse.window
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: OuroModel | None = None, tokenizer: Any = None,
                  verifier: Verifier | None = None) -> None:
@@ -113,10 +129,13 @@ class EngineCore:
             num_token_slots += 2 * per_request * config.max_num_seqs
             heads = SpeculationHeads(config.max_num_seqs, speculation.draft_width, mcfg.vocab_size,
                                      self.model.dtype, device, verifier).registry()
+        sparse = config.token_sparse_prefill
+        sparse.check(mcfg.num_loops)
+        window_slots = _window_slots(sparse, rows, config.max_num_seqs, mcfg.num_loops, num_token_slots)
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation,
-                                   preemption_mode=config.preemption_mode)
+                                   preemption_mode=config.preemption_mode, token_sparse=sparse)
         self.scheduler.swap_out, self.scheduler.swap_in = self._swap_out, self._swap_in
         # One page past the KV manager's: the sink padding rows of a CUDA graph write.
         kv = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
@@ -127,9 +146,10 @@ class EngineCore:
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
                                       -(-self.max_model_len // config.block_size), config.block_size, device,
-                                      tile_rows=self.backend.tile_rows, buckets=buckets, pad_slot=num_token_slots)
+                                      tile_rows=self.backend.tile_rows, buckets=buckets, pad_slot=num_token_slots,
+                                      window_slots=window_slots)
         runner = Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs, threshold,
-                        config.seed, heads)
+                        config.seed, heads, token_sparse=sparse)
         if graphed:
             runner.use_graphs(LoopGraphs(
                 runner.run_pass, buckets, mcfg.hidden_size, self.model.dtype,

@@ -7,13 +7,16 @@ and CPU tensors (`RequestSnapshot.to_bytes` / `from_bytes`, loaded with torch's
 weights-only unpickler, so a snapshot file cannot run code):
 
 - `config`: the effective engine configuration a restore must match (model shape and
-  dtype, KV format and page size, loops, exit threshold, speculation, engine seed); the
+  dtype, KV format and page size, loops, exit threshold, speculation, engine seed, the
+  FlashLoop groups); the
   full engine summary rides along for diagnostics;
 - `request`: the host state (ids, sampling parameters, arrival, which keys the sampling
-  draws, incarnation, scheduling counters, committed outputs, replay) and the speculation
+  draws, incarnation, scheduling counters, committed outputs, replay, a prompt window's
+  rows planned so far when token-sparse prefill split it) and the speculation
   controller's state (a round or a pipeline mid-flight), with token slots by position;
 - `kv`: every page the request holds, per plane, in its stored format, with the frontiers;
-- `slots`: the contents of its live token slots (hidden, exit state, depth, candidate),
+- `slots`: the contents of its live token slots (hidden, exit state, depth, candidate,
+  and for token-sparse prefill the previous hidden state and the selection mark),
   by position, and how many slots its round holds for rows not drafted yet;
 - `cell`: its request cell's next token and, with speculation, its draft buffer;
 - `detokenizer`: the incremental detokenizer's state.
@@ -33,6 +36,7 @@ import torch
 
 from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.errors import SpecloopError
+from specloop.flashloop.config import summary as group_summary
 from specloop.pipeline.rounds import Round
 from specloop.pipeline.token_pipeline import LiveToken, PipelineState
 from specloop.runtime.slot_storage import SlotStorage
@@ -43,7 +47,7 @@ if TYPE_CHECKING:
     from specloop.engine.core import EngineCore
 
 FORMAT = "specloop.request-snapshot"
-VERSION = 1
+VERSION = 2  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows)
 SLOT_FIELDS = SlotStorage.CARRIED
 
 
@@ -104,6 +108,7 @@ def engine_fingerprint(core: "EngineCore") -> dict[str, Any]:
         "draft_loops": cfg.draft_loops if spec != "none" else None,
         "num_speculative_tokens": cfg.num_speculative_tokens if spec == "block" else None,
         "seed": cfg.seed,
+        "token_sparse_prefill": group_summary(cfg.token_sparse_prefill),
     }
 
 
@@ -146,6 +151,7 @@ def _capture_request(req: Request) -> dict[str, Any]:
         "round": _capture_round(req.round),
         "live_positions": sorted(req.token_slots),
         "replay": list(req.replay),
+        "window_rows": {str(d): n for d, n in req.window_rows.items()},
         "resume_token": req.resume_token,
         "num_preemptions": req.num_preemptions,
         "output_ids": list(req.output_ids),
@@ -248,6 +254,7 @@ def install(core: "EngineCore", snap: RequestSnapshot) -> Request:
                   stop_ids=frozenset(r["stop_ids"]))
     req.num_tokens, req.produced, req.speculating = r["num_tokens"], r["produced"], r["speculating"]
     req.replay, req.resume_token, req.num_preemptions = list(r["replay"]), r["resume_token"], r["num_preemptions"]
+    req.window_rows = {int(d): n for d, n in r["window_rows"].items()}
     req.output_ids = list(r["output_ids"])
     req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens = r["usage"]
     req.incarnation = new_incarnation()

@@ -25,6 +25,10 @@ shapes and query tiles. Views into the device buffer, by segment:
   the backend's small size when every group fits in it, its large size otherwise), and
   with adaptive exit every plane's page-table offset (-1 where none).
 
+A group at a sparse loop of token-sparse prefill (`RowGroup.window`) holds placeholder
+positions and token slots in its rows; the runner fills them in on the device from the
+window's selection (`WindowRows`: the window's token slots ride in the integer upload).
+
 KV slots are computed on the device from page tables and positions: slot = page *
 page_size + position % page_size. Host-side summaries (row counts, group shapes, head
 lists) travel beside the device views as plain Python, for shapes and Python flags.
@@ -104,14 +108,14 @@ class LoopPass:
     @functools.cached_property
     def write_slots(self) -> torch.Tensor:
         """[N_p] long: each row's KV slot at this depth."""
-        return _kv_slots(self.tables, self.table_offsets, self.positions, self.page_size)
+        return kv_slots(self.tables, self.table_offsets, self.positions, self.page_size)
 
     @functools.cached_property
     def deeper_slots(self) -> torch.Tensor | None:
         """[N_p, R] long: each row's KV slot in every plane, -1 where none (adaptive exit)."""
         if self.planes is None:
             return None
-        slots = _kv_slots(self.tables, self.planes.clamp(min=0), self.positions[:, None], self.page_size)
+        slots = kv_slots(self.tables, self.planes.clamp(min=0), self.positions[:, None], self.page_size)
         return torch.where(self.planes >= 0, slots, torch.full_like(slots, -1))
 
 
@@ -142,6 +146,24 @@ class PassLayout:
 
 
 @dataclasses.dataclass
+class WindowRows:
+    """A prompt window's group at a sparse loop: batch rows [first, first + rows) run ranks
+    [rank, rank + rows) of the `budget` tokens it keeps at `depth` (selected here when rank == 0)."""
+
+    request_id: str
+    first: int
+    rows: int
+    window_slots: torch.Tensor  # [n] long: token slots of the window's tokens, in position order
+    start: int  # the window's first absolute position
+    depth: int
+    budget: int
+    rank: int
+    table: int  # offset of the depth's page table in `tables`
+    inherit_table: int  # offset of the previous depth's page table (inactive tokens inherit from it)
+    head: bool  # the group samples: its head reads the prompt's last token, selected or not
+
+
+@dataclasses.dataclass
 class ForwardBatch:
     plan: Plan
     num_rows: int
@@ -154,6 +176,8 @@ class ForwardBatch:
     heads: dict[type, HeadSegment]
     host_groups: list[RowGroup]  # groups with a host result, in result order
     page_size: int
+    tables: torch.Tensor | None = None  # [T] long: the page tables every pass reads
+    windows: list[WindowRows] = dataclasses.field(default_factory=list)  # sparse prefill groups
 
     def segment(self, kind: type) -> HeadSegment | None:
         return self.heads.get(kind)
@@ -166,10 +190,11 @@ class ForwardBatchBuilder:
 
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device, tile_rows: tuple[int, int] | None = None,
-                 buckets: tuple[int, ...] = (), pad_slot: int = 0) -> None:
+                 buckets: tuple[int, ...] = (), pad_slot: int = 0, window_slots: int = 0) -> None:
         """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles;
         `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
-        `pad_slot`: the token slot padding rows name (a sink row of the slot storage)."""
+        `pad_slot`: the token slot padding rows name (a sink row of the slot storage);
+        `window_slots`: the most window token slots one plan's sparse prefill groups carry."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
         self.page_size = page_size
@@ -181,6 +206,7 @@ class ForwardBatchBuilder:
         self.pad_table = self.max_tables  # the sink entry a graph's table buffer holds past every real one
         block = max(PassLayout(max_rows, num_loops).size, PassLayout(max(self.buckets, default=1), num_loops).size)
         ints = self.ROW_COLUMNS * max_rows + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables + num_loops * block
+        ints += window_slots
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -211,6 +237,7 @@ class ForwardBatchBuilder:
         enter: list[int] = []
         enter_inc: list[int] = []
         by_kind: dict[type, list[tuple[int, RowGroup]]] = {}
+        windows: list[tuple[int, RowGroup, int, int]] = []  # (first row, group, table, inherited table)
         host_groups = plan.host_groups  # results in plan order
         first = 0
         # More loops first (each pass's rows are a prefix), then single-row groups first.
@@ -225,10 +252,13 @@ class ForwardBatchBuilder:
                               for plane, table in enumerate(group.deeper_tables, start=group.depth + 1)]
             for p in range(group.loops):
                 shapes[p].append(GroupShape(first, n, group.end, planes[p]))
+            if group.window is not None:  # placeholders: the runner selects the rows
+                windows.append((first, group, own, _table_offset(table_at, tables, group.cell, group.depth - 1,
+                                                                 group.window.inherit_table)))
             cells.extend([group.cell] * n)
-            slots.extend(group.token_slots)
+            slots.extend(group.token_slots[:n])
             tokens.extend(group.token_ids if group.token_ids is not None else [-1] * n)
-            positions.extend(range(group.start, group.end))
+            positions.extend(range(group.start, group.start + n))
             depths.extend([group.depth] * n)
             if plan.adaptive_exit:
                 for column, offset in zip(plane_columns, [-1] * (group.depth + 1) + planes[1:]):
@@ -258,12 +288,25 @@ class ForwardBatchBuilder:
             tiles, tile_rows = self._tiles(pass_shapes)
             blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS))
             ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns))
+        window_at = []
+        for _, group, _, _ in windows:
+            window_at.append(len(ints))
+            ints.extend(group.token_slots)
+        if len(ints) > self._ints.numel():
+            raise ValueError(f"a plan's {len(ints)} integers exceed the forward batch's upload buffer "
+                             f"({self._ints.numel()})")
         host_ints, host_floats = self._take_staging()
         dev_ints = self._upload(host_ints, self._ints, array.array("q", ints))
         dev_floats = self._upload(host_floats, self._floats, array.array("f", head_floats))
         self._release_staging()
-        return self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
-                           host_groups, results)
+        batch = self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
+                            host_groups, results)
+        for (row, group, own, inherited), at in zip(windows, window_at):
+            w = group.window
+            window_slots = dev_ints[at: at + len(group.token_slots)]
+            batch.windows.append(WindowRows(group.request_id, row, w.rows, window_slots, group.start, group.depth,
+                                            w.budget, w.first, own, inherited, group.head is not None))
+        return batch
 
     def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
                slots: list[int], shapes: list[GroupShape], tiles: list[int],
@@ -340,7 +383,7 @@ class ForwardBatchBuilder:
                                              [results.get(id(g), -1) for _, g in members])
                 start += len(members)
         return ForwardBatch(plan, n, cols[0], cols[1], cols[2], enter_rows if e else None, enter_inc if e else None,
-                            passes, segments, host_groups, bs)
+                            passes, segments, host_groups, bs, tables)
 
 
 def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, page_size: int, rows: int,
@@ -396,7 +439,7 @@ def _head_floats(group: RowGroup) -> list[float]:
     return [p.temperature, p.top_p, p.min_p]
 
 
-def _kv_slots(tables: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+def kv_slots(tables: torch.Tensor, offsets: torch.Tensor | int, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """KV slots of `positions` through the page tables starting at `offsets` (broadcasting)."""
     if tables.numel() == 0:
         return torch.zeros_like(positions + offsets)

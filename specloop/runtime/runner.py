@@ -4,7 +4,7 @@ It owns the device state between calls: the KV pages (behind the attention backe
 token slot storage (each live token's hidden state, exit state, depth, candidate and
 incarnation) and each request cell's next token. A call is
 
-    forward batch (one upload) -> embed entering rows ->
+    forward batch (one upload) -> sparse prefill windows pick their rows -> embed entering rows ->
     per loop pass p: rows [0, N_p) through one loop (the backend) -> adaptive exit -> store slots
     -> heads (by head type, from the registry, on each group's output after its last loop)
     -> host copies
@@ -22,13 +22,16 @@ On CPU the same code simply runs synchronously.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
+from specloop.flashloop.config import SCORE_EPS, TokenSparsePrefill
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
+from specloop.runtime import sparse_prefill
 from specloop.runtime.attention import AttentionBackend, Bound
-from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass
+from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, WindowRows
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
 from specloop.runtime.slot_storage import SlotStorage
@@ -54,7 +57,7 @@ class TicketOutput:
 class Runner:
     def __init__(self, model: OuroModel, backend: AttentionBackend, batches: ForwardBatchBuilder,
                  num_token_slots: int, max_cells: int, exit_threshold: float, engine_seed: int,
-                 heads: dict[type, DeviceHead] | None = None) -> None:
+                 heads: dict[type, DeviceHead] | None = None, token_sparse: TokenSparsePrefill | None = None) -> None:
         """The slot storage holds one extra slot, `num_token_slots`: the sink padding rows
         write (the forward batch's `pad_slot`)."""
         cfg = model.config
@@ -66,16 +69,26 @@ class Runner:
         self.backend = backend
         self.batches = batches
         self.graphs: LoopGraphs | None = None  # set by `use_graphs`
-        self.slots = SlotStorage(num_token_slots + 1, cfg.hidden_size, model.dtype, self.device)
+        sparse = token_sparse is not None and token_sparse.active
+        self.slots = SlotStorage(num_token_slots + 1, cfg.hidden_size, model.dtype, self.device, keep_previous=sparse)
         self.next_token = torch.zeros(max_cells, dtype=torch.long, device=self.device)
         self.heads: dict[type, DeviceHead] = {Sample: SampleHead(), **(heads or {})}
         self.context = HeadContext(model, self.next_token, engine_seed)
         self._pin = self.device.type == "cuda"
+        # Tests only: called with (window rows, the window's kept mask) after each selection.
+        self.window_probe: Callable[[WindowRows, torch.Tensor], None] | None = None
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> TicketOutput:
         batch = self.batches.build(plan)
         slots = self.slots
+        for w in batch.windows:  # before anything reads the rows' slots or positions
+            if w.rank == 0:
+                sparse_prefill.select(slots, w, SCORE_EPS)
+                if self.window_probe is not None:
+                    self.window_probe(w, slots.selected[w.window_slots] == w.depth)
+                sparse_prefill.inherit(self.backend.kv, slots, w, batch.tables, batch.page_size)
+            sparse_prefill.fill_rows(slots, w, batch.token_slots, batch.passes[0])
         hidden = slots.hidden[batch.token_slots]
         if batch.enter_rows is not None:  # depth-0 rows: embed into fresh slots
             enter = batch.enter_rows
@@ -102,6 +115,9 @@ class Runner:
                     final = out.new_empty(batch.num_rows, out.shape[1])
                 final[done: lp.num_rows] = out[done:]
             hidden = out
+        for w in batch.windows:  # the prompt's last token samples from its state, run here or not
+            if w.head:
+                final[w.first + w.rows - 1] = slots.hidden[w.window_slots[-1]]
         return self._heads(batch, final)
 
     def run_pass(self, lp: LoopPass, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,10 @@ addresses never change (CUDA graphs and in-flight tickets may hold them):
   the token entered. The host plans from its own copies of these; the device copies
   are what a snapshot captures and what a plan can be checked against.
 
+With token-sparse prefill a slot also keeps `previous`, its hidden state before the last
+loop it ran (the change score compares the two), and `selected`, the depth whose sparse
+loop picked it (-1: none yet).
+
 Sparse decode attention will add each slot's loop-2 reference state (selected keys, mass,
 O_ref, C_ref per layer and query head) here, for a sub-pool of decoding slots.
 
@@ -30,10 +34,14 @@ class SlotStorage:
     # What a live token carries, and so what a request snapshot saves per live slot (the
     # incarnation is given anew on restore). State added here (the sparse-decode reference)
     # joins the list, and snapshots carry it.
-    CARRIED = ("hidden", "survival", "exited", "depth", "candidate")
+    CARRIED = ("hidden", "previous", "selected", "survival", "exited", "depth", "candidate")
 
-    def __init__(self, num_slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 keep_previous: bool = False) -> None:
+        """`keep_previous`: token-sparse prefill is on (else `previous` is [num_slots, 0])."""
         self.hidden = torch.zeros(num_slots, hidden_size, dtype=dtype, device=device)
+        self.previous = torch.zeros(num_slots, hidden_size if keep_previous else 0, dtype=dtype, device=device)
+        self.selected = torch.full((num_slots,), -1, dtype=torch.long, device=device)
         self.survival = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.exited = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.depth = torch.zeros(num_slots, dtype=torch.long, device=device)  # the plan's dtype: no cast per call
@@ -45,10 +53,14 @@ class SlotStorage:
         self.survival.index_fill_(0, slots, 1.0)  # scalar fills: no host-to-device copy
         self.exited.index_fill_(0, slots, False)
         self.depth.index_fill_(0, slots, 0)
+        self.selected.index_fill_(0, slots, -1)
         self.candidate[slots] = token_ids
         self.incarnation[slots] = incarnations
 
     def advance(self, slots: torch.Tensor, depths: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Rows that ran loop `depth + 1` store their new state."""
+        """Rows that ran loop `depth + 1` store their new state (keeping the old one in
+        `previous` when token-sparse prefill needs it)."""
+        if self.previous.shape[1]:
+            self.previous[slots] = self.hidden[slots]
         self.hidden[slots] = hidden
         self.depth[slots] = depths + 1

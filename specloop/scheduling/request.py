@@ -72,6 +72,9 @@ class Request:
     speculating: bool = False  # the speculation controller plans this request's rows
     round: Any = None  # the speculation controller's state of the current round
     token_slots: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> token slot of a live token
+    # (with token-sparse prefill also of a prompt window's tokens not entered yet: it takes them all at once)
+    window_rows: dict[int, int] = dataclasses.field(default_factory=dict)  # depth -> rows planned of the
+    # prompt window at that depth's frontier, while a token-sparse prefill window is split across plans
     # After a recompute preemption: committed output tokens re-entered as a prompt, and
     # (speculation) the last one, from which the controller resumes once the rest is in.
     replay: list[int] = dataclasses.field(default_factory=list)

@@ -33,10 +33,11 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
+from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.controller import Commit, Controller
 from specloop.scheduling.dense import DenseController
 from specloop.scheduling.kv_manager import KVManager
-from specloop.plan import Head, Plan, RowGroup
+from specloop.plan import Head, Plan, RowGroup, SparseWindow
 from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
 
@@ -73,9 +74,16 @@ class _PlanBuilder:
 
     def group(self, req: Request, depth: int, start: int, end: int, *, head: Head = None,
               slots: list[int] | None = None, token_ids: list[int] | None = None, loops: int = 1) -> RowGroup:
-        group = self._s.build_group(req, depth, start, end, head, slots, token_ids, loops)
-        if group.last_depth == self._s.num_loops - 1:  # slots of finished tokens return once the ticket completed
-            self._release.extend(group.token_slots)
+        return self._finished(self._s.build_group(req, depth, start, end, head, slots, token_ids, loops))
+
+    def window_group(self, req: Request, depth: int, start: int, end: int, budget: int, first: int, rows: int,
+                     head: Head = None) -> RowGroup:
+        return self._finished(self._s.build_group(req, depth, start, end, head, None, None, 1,
+                                                  window=(budget, first, rows)))
+
+    def _finished(self, group: RowGroup) -> RowGroup:
+        if group.last_depth == self._s.num_loops - 1 and group.completes:
+            self._release.extend(group.token_slots)  # slots of finished tokens return once the ticket completed
         return group
 
     def take_slots(self, n: int) -> list[int] | None:
@@ -94,13 +102,15 @@ class Scheduler:
     def __init__(
         self, kv: KVManager, num_loops: int, max_rows: int, max_seqs: int, num_token_slots: int,
         adaptive_exit: bool, speculation: Controller | None = None, preemption_mode: str = "recompute",
+        token_sparse: TokenSparsePrefill | None = None,
     ) -> None:
         self.kv = kv
         self.num_loops = num_loops
         self.max_rows = max_rows
         self.adaptive_exit = adaptive_exit
         self.speculation = speculation
-        self.dense = DenseController(num_loops, handoff=speculation)
+        self.windows = token_sparse if token_sparse is not None and token_sparse.active else None
+        self.dense = DenseController(num_loops, handoff=speculation, windows=self.windows)
         self.multi_loop = True  # groups may run several loops per call (tests turn it off to compare)
         # Admission reserving prompt + max_tokens up front (never preempts): the older policy,
         # kept for benchmarks that compare it with admission by need.
@@ -201,6 +211,7 @@ class Scheduler:
             req.replay, req.resume_token = list(committed), None
         req.num_tokens, req.produced = req.num_host_tokens, len(committed)
         req.speculating, req.round, req.token_slots, req.cell = False, None, {}, -1
+        req.window_rows = {}
         req.num_preemptions += 1
         req.incarnation = new_incarnation()
         req.status = Status.WAITING
@@ -301,7 +312,7 @@ class Scheduler:
         # Single-token decodes before prompt chunks; each entering row needs a token slot.
         entries.sort(key=lambda e: (e[2] > 1, e[0].arrival))
         for req, start, rows in entries:
-            take = min(budget, rows, self.token_slots.num_free)
+            take = self._entry_rows(req, start, min(budget, rows))
             if take > 0:
                 loops = self._entry_loops(req, start, take, budget)
                 builder = _PlanBuilder(self, release, entries)
@@ -319,6 +330,28 @@ class Scheduler:
             self.token_slots.finish(release)
             self._defer(lambda: self.token_slots.release(release))
         return plan
+
+    def _entry_rows(self, req: Request, start: int, rows: int) -> int:
+        """How many of `rows` positions from `start` can enter depth 0 now: each needs a token
+        slot. With token-sparse prefill a prompt window takes the slots of all its tokens
+        when its first one enters (all or nothing): its tokens wait for each other before
+        the sparse loops, so a window entered half-way could hold slots no one can free."""
+        if self.windows is None:
+            return min(rows, self.token_slots.num_free)
+        prompt = len(req.prompt_ids)
+        pos, end = start, start + rows
+        while pos < min(end, prompt):
+            w_start, w_end = self.windows.bounds(pos, prompt)
+            if pos not in req.token_slots:  # the window's first token: take them all
+                slots = self.token_slots.take(w_end - w_start)
+                if slots is None:
+                    return pos - start
+                req.token_slots.update(zip(range(w_start, w_end), slots))
+            pos = w_end
+        tail = max(start, prompt)  # positions past the prompt (a replay): a fresh slot each
+        if end > tail:
+            end = min(end, tail + self.token_slots.num_free)
+        return end - start
 
     def _entry_loops(self, req: Request, start: int, rows: int, budget: int) -> int:
         """Loops a dense entry runs in this call: every loop (one plan per token) for a single
@@ -346,32 +379,43 @@ class Scheduler:
             self._defer(lambda: self.token_slots.release(orphans))
 
     def build_group(self, req: Request, depth: int, start: int, end: int, head: Head,
-                    slots: list[int] | None, token_ids: list[int] | None, loops: int = 1) -> RowGroup:
+                    slots: list[int] | None, token_ids: list[int] | None, loops: int = 1,
+                    window: tuple[int, int, int] | None = None) -> RowGroup:
         """Rows [start, end) of a request through `loops` loops from `depth`: token slots,
         KV frontiers, page tables.
 
         Rows entering depth 0 take token slots (`slots` when the controller took them
-        already); rows finishing the last depth give theirs up (`_PlanBuilder` releases
-        them once the plan's ticket completes)."""
+        already, the ones a prompt window took when its first token entered, else fresh);
+        rows finishing the last depth give theirs up (`_PlanBuilder` releases them once the
+        plan's ticket completes). `window` = (budget, first, rows): a sparse loop of a prompt
+        window (`SparseWindow`); the frontier moves past the window with its last group."""
         last = depth + loops - 1
         if loops < 1 or last >= self.num_loops:
             raise AssertionError(f"loops {depth}..{last} outside 0..{self.num_loops - 1}")
         key = req.kv_key
         if depth == 0:
             self.kv.ensure(key, end)  # covered already (`_make_room`, `_admit`); raises if not
-            taken = slots if slots is not None else self.token_slots.take(end - start)
-            for pos, slot in zip(range(start, end), taken):
+            fresh = [p for p in range(start, end) if p not in req.token_slots]
+            taken = slots if slots is not None else self.token_slots.take(len(fresh))
+            for pos, slot in zip(range(start, end) if slots is not None else fresh, taken):
                 req.token_slots[pos] = slot
         rows = [req.token_slots[p] for p in range(start, end)]
-        if last == self.num_loops - 1:
+        pages = -(-end // self.kv.block_size)
+        sparse = None
+        if window is not None:
+            if loops != 1 or depth < 1:
+                raise AssertionError(f"a sparse window group runs one loop past depth 0, not {depth}..{last}")
+            sparse = SparseWindow(*window, inherit_table=self.kv.page_table(key, depth - 1)[:pages])
+        completes = sparse is None or sparse.completes
+        if last == self.num_loops - 1 and completes:
             for pos in range(start, end):
                 del req.token_slots[pos]
         for plane in range(depth, last + 1):
             if self.kv.frontier(key, plane) != start:
                 raise AssertionError(f"plane {plane} of {req.request_id!r} is at {self.kv.frontier(key, plane)}, "
                                      f"not at the group's start {start}")
-            self.kv.advance(key, plane, end)
-        pages = -(-end // self.kv.block_size)
+            if completes:
+                self.kv.advance(key, plane, end)
         if token_ids is None and depth == 0 and end <= req.num_host_tokens:
             token_ids = req.host_token_ids(start, end)
         if depth == 0 and token_ids is None and end - start != 1:
@@ -381,7 +425,7 @@ class Scheduler:
         return RowGroup(request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, cell=req.cell,
                         depth=depth, start=start, end=end, token_ids=token_ids, token_slots=rows,
                         page_table=self.kv.page_table(key, depth)[:pages], deeper_tables=deeper, head=head,
-                        loops=loops)
+                        loops=loops, window=sparse)
 
     def committed(self, req: Request, commit: Commit) -> None:
         """A committed result of a speculating request: the controller says what to roll back;

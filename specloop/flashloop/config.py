@@ -1,0 +1,109 @@
+"""The FlashLoop configuration groups: one frozen dataclass per lazy update, all off by
+default, each parsed from a dict or a JSON object (the CLI's `--token-sparse-prefill JSON`)
+and validated once at start-up with one clear line per problem.
+
+Only `token_sparse_prefill` exists so far; `sparse_decode_attention` and
+`kv_residual_quantization` join it as their issues land.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from fractions import Fraction
+from typing import Any
+
+from specloop.errors import ConfigError
+
+DEFAULT_RETENTION = (1.0, 1.0, 0.25, 0.10)  # the RFC's starting point for four-loop Ouro
+DEFAULT_WINDOW = 512  # tokens; see docs/flashloop.md for the measurements behind it
+SCORE_EPS = 1e-6  # the change score's floor on ||h_{r-1}||
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSparsePrefill:
+    """Token-sparse prefill: loops 1-2 dense; before each later loop every complete window
+    of `window` prompt tokens (absolute positions [k*window, (k+1)*window)) keeps the
+    max(1, ceil(len * retention[loop])) tokens whose hidden state changed most."""
+
+    enabled: bool = False
+    window: int = DEFAULT_WINDOW
+    retention: tuple[float, ...] = DEFAULT_RETENTION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"token_sparse_prefill.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ConfigError(f"token_sparse_prefill.window must be a positive integer (tokens), got {self.window!r}")
+        retention = self.retention
+        if not isinstance(retention, (list, tuple)) or not retention or not all(
+                isinstance(r, (int, float)) and not isinstance(r, bool) for r in retention):
+            raise ConfigError(f"token_sparse_prefill.retention must be a list of numbers, one per loop, got {retention!r}")
+        retention = tuple(float(r) for r in retention)
+        object.__setattr__(self, "retention", retention)
+        if any(not 0.0 < r <= 1.0 for r in retention):
+            raise ConfigError(f"token_sparse_prefill.retention values must lie in (0, 1], got {list(retention)}")
+        if len(retention) < 2 or retention[0] != 1.0 or retention[1] != 1.0:
+            raise ConfigError("token_sparse_prefill.retention must keep loops 1 and 2 dense (1.0, 1.0, ...): the "
+                              f"change score needs two completed loops, got {list(retention)}")
+        if any(b > a for a, b in zip(retention, retention[1:])):
+            raise ConfigError(f"token_sparse_prefill.retention must not increase from loop to loop (the active "
+                              f"sets are nested), got {list(retention)}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "TokenSparsePrefill":
+        """From None (off), a dict, a JSON object string, or an instance. A given group
+        without `enabled` is on: `{}` means the defaults, switched on."""
+        return _parse_group(cls, "token_sparse_prefill", value)
+
+    @property
+    def active(self) -> bool:
+        """Whether any loop is sparse (retention 1.0 everywhere takes the dense path)."""
+        return self.enabled and any(r < 1.0 for r in self.retention)
+
+    def check(self, num_loops: int) -> None:
+        """Start-up checks that need the model."""
+        if self.enabled and len(self.retention) != num_loops:
+            raise ConfigError(f"token_sparse_prefill.retention has {len(self.retention)} values; the model runs "
+                              f"{num_loops} loops")
+
+    def bounds(self, position: int, prompt_len: int) -> tuple[int, int]:
+        """The window [start, end) holding prompt `position`: anchored at absolute positions,
+        so it never depends on chunking, batching or the request's other tokens; the last
+        one ends with the prompt."""
+        start = position - position % self.window
+        return start, min(start + self.window, prompt_len)
+
+    def sparse(self, depth: int, length: int) -> bool:
+        """Whether a window of `length` tokens runs 0-based `depth` on a subset."""
+        return depth >= 2 and self.budget(depth, length) < length
+
+    def budget(self, depth: int, length: int) -> int:
+        """Tokens a window of `length` keeps at 0-based `depth`: max(1, ceil(length * retention)),
+        with the retention read as the decimal it was written as (0.1 is 1/10, exactly)."""
+        return max(1, math.ceil(Fraction(repr(self.retention[depth])) * length))
+
+
+def _parse_group(cls: type, name: str, value: Any) -> Any:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{name} must be a JSON object, got {value!r} ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object (or a dict), got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{name} has no option {unknown[0]!r}; its options: {', '.join(sorted(known))}")
+    return cls(**{"enabled": True, **value})
+
+
+def summary(group: Any) -> dict[str, Any]:
+    """A group as plain JSON data (lists, not tuples), for diagnostics and records."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(group).items()}

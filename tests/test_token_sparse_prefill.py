@@ -1,0 +1,385 @@
+"""Token-sparse prefill in the runtime against the FlashLoop reference.
+
+The reference (`specloop.model.flashloop_reference`, full recomputation, no code shared
+with the runtime) says which prompt tokens each window keeps at each loop and what the
+model then emits. Here the engine runs the same prompts in fp32 on the CPU (the torch
+backend; one case through the Triton kernels under the interpreter) and must keep the
+same tokens (a probe on the runner reports each window's selection), emit the same greedy
+tokens and give first-token logprobs within 1e-5, however the windows are batched:
+alone, beside other requests and decodes, split across calls by the token budget, with
+adaptive exit, under speculation and through preemption and snapshot/restore.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specloop.checkpoint import load_model
+from specloop.engine.config import EngineConfig
+from specloop.engine.core import EngineCore
+from specloop.errors import ConfigError
+from specloop.flashloop.config import TokenSparsePrefill
+from specloop.model.flashloop_reference import FlashLoopFeatures, SparsePrefill, flashloop_forward, flashloop_greedy
+from specloop.runtime import sparse_prefill
+from specloop.runtime.forward_batch import WindowRows
+from specloop.runtime.kv_format import PagedKV
+from specloop.runtime.slot_storage import SlotStorage
+from specloop.sampling_params import SamplingParams
+from tests.conftest import weights_of
+
+MAX_TOKENS = 5
+_g = torch.Generator().manual_seed(0)
+PROMPTS = [torch.randint(3, 200, (n,), generator=_g).tolist() for n in (30, 17, 9, 41)]
+CASES = {  # window, retention
+    "w8": (8, (1.0, 1.0, 0.25, 0.10)),
+    "w8-half": (8, (1.0, 1.0, 0.5, 0.25)),
+    "w5": (5, (1.0, 1.0, 0.6, 0.3)),
+    "global": (64, (1.0, 1.0, 0.25, 0.10)),  # one window holds each whole prompt
+    "loop4-only": (6, (1.0, 1.0, 1.0, 0.5)),
+}
+
+
+def _engine(ckpt, window: int, retention, **kw) -> EngineCore:
+    return EngineCore(EngineConfig.from_kwargs(
+        str(ckpt), device="cpu", dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4,
+        token_sparse_prefill={"window": window, "retention": list(retention)}, **kw))
+
+
+class Probe:
+    """What the runner selected: {(request, loop, window index): kept positions}."""
+
+    def __init__(self, engine: EngineCore, window: int) -> None:
+        self.kept: dict[tuple[str, int, int], list[int]] = {}
+        self.window = window
+        engine.executor.runner.window_probe = self
+
+    def __call__(self, w: WindowRows, mask: torch.Tensor) -> None:
+        key = (w.request_id, w.depth + 1, w.start // self.window)
+        assert key not in self.kept, f"window {key} selected twice"
+        self.kept[key] = (w.start + torch.nonzero(mask).flatten()).tolist()
+
+
+def _run(engine: EngineCore, prompts, params=None, stagger: bool = False) -> dict[str, tuple[list[int], list[float]]]:
+    params = params or SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    pending = list(enumerate(prompts))
+    if not stagger:
+        for i, prompt in pending:
+            engine.add_request(f"r{i}", prompt, params)
+        pending = []
+    while pending or engine.has_unfinished():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for o in engine.step():
+            assert o.error is None, o.error
+            tokens, logprobs = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs():
+    """Reference results per (checkpoint, case, prompt, exit threshold), computed once."""
+    return {}
+
+
+def _reference(ckpt, cache, case: str, p: int, exit_threshold: float | None = None):
+    key = (str(ckpt), case, p, exit_threshold)
+    if key not in cache:
+        model, _ = load_model(ckpt, dtype=torch.float32)
+        window, retention = CASES[case]
+        feats = FlashLoopFeatures(token_sparse_prefill=SparsePrefill(window=window, retention=retention))
+        w, prompt = weights_of(model), PROMPTS[p]
+        fwd = flashloop_forward(w, model.config, torch.tensor(prompt), len(prompt), feats, exit_threshold)
+        tokens = flashloop_greedy(w, model.config, prompt, MAX_TOKENS, feats, exit_threshold)
+        bounds = fwd.audit.windows
+        kept = {(loop, win): pos.tolist() for (loop, win), pos in fwd.audit.prefill_active.items()
+                if len(pos) < bounds[win][1] - bounds[win][0]}  # a window kept whole runs dense: no selection
+        first = torch.log_softmax(fwd.logits[-1].double(), -1)[tokens[0]].item()
+        cache[key] = (tokens, first, kept, fwd)
+    return cache[key]
+
+
+def _check(ckpt, cache, case, got, probe, prompts=range(len(PROMPTS)), exit_threshold=None, exact_sets=True):
+    for p in prompts:
+        tokens, first, kept, _ = _reference(ckpt, cache, case, p, exit_threshold)
+        assert got[f"r{p}"][0] == tokens, f"prompt {p}"
+        assert got[f"r{p}"][1][0] == pytest.approx(first, abs=1e-5)
+        if probe is not None and exact_sets:
+            mine = {(loop, win): pos for (r, loop, win), pos in probe.kept.items() if r == f"r{p}"}
+            assert mine == kept, f"prompt {p}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_reference(any_ckpt, refs, case):
+    """Several requests in one engine: the same kept tokens per loop and window, the same
+    greedy tokens, first-token logprobs within 1e-5."""
+    window, retention = CASES[case]
+    engine = _engine(any_ckpt, window, retention)
+    probe = Probe(engine, window)
+    got = _run(engine, PROMPTS)
+    _check(any_ckpt, refs, case, got, probe)
+    assert probe.kept, "no window was sparse"
+
+
+def test_the_last_tokens_need_not_be_kept(tiny_ckpt, refs):
+    """Some window leaves out its last token, and some prompt its last token, at a sparse
+    loop; the first output token still comes from the prompt's last state (checked above
+    against the reference, here that the case is covered)."""
+    window, retention = CASES["w8"]
+    engine = _engine(tiny_ckpt, window, retention)
+    probe = Probe(engine, window)
+    _run(engine, PROMPTS)
+    ends = {p: len(prompt) for p, prompt in enumerate(PROMPTS)}
+    window_last = [(k, pos) for k, pos in probe.kept.items()
+                   if min(k[2] * window + window, ends[int(k[0][1:])]) - 1 not in pos]
+    prompt_last = [k for k, pos in probe.kept.items() if ends[int(k[0][1:])] - 1 not in pos
+                   and (k[2] + 1) * window >= ends[int(k[0][1:])]]
+    assert window_last and prompt_last
+
+
+@pytest.mark.parametrize("rows", [2, 3, 7])  # 2: fewer rows a call than the 4 a window keeps at loop 3
+def test_windows_split_across_calls_and_regrouped(tiny_ckpt, refs, rows):
+    """A token budget smaller than what a window keeps splits it over several calls, and
+    arrivals one per step mix prompt windows with other requests' decodes: neither changes
+    a window's selection or what the request emits."""
+    window, retention = CASES["w8-half"]
+    engine = _engine(tiny_ckpt, window, retention, max_num_batched_tokens=rows)
+    probe = Probe(engine, window)
+    got = _run(engine, PROMPTS, stagger=True)
+    _check(tiny_ckpt, refs, "w8-half", got, probe)
+    assert engine.scheduler.running == [] and not any(r.window_rows for r in engine.requests.values())
+
+
+def test_adaptive_exit(tiny_ckpt, refs):
+    """With Q-exit, exited tokens never run a sparse loop and never count as kept (they may
+    fill a budget the others cannot, as rows that change nothing)."""
+    window, retention = CASES["w8-half"]
+    engine = _engine(tiny_ckpt, window, retention, exit_threshold=0.5)
+    probe = Probe(engine, window)
+    got = _run(engine, PROMPTS)
+    _check(tiny_ckpt, refs, "w8-half", got, probe, exit_threshold=0.5, exact_sets=False)
+    for p in range(len(PROMPTS)):
+        _, _, kept, fwd = _reference(tiny_ckpt, refs, "w8-half", p, 0.5)
+        exited = {i for i, e in enumerate(fwd.exit_loops.tolist()) if e < len(retention)}
+        for (r, loop, win), pos in probe.kept.items():
+            if r == f"r{p}":
+                ref = kept.get((loop, win), [])
+                assert set(pos) - exited == set(ref) - exited, (p, loop, win)
+    assert any(e < 4 for p in range(len(PROMPTS)) for e in _reference(tiny_ckpt, refs, "w8-half", p, 0.5)[3]
+               .exit_loops.tolist()), "no token exited: the case tests nothing"
+
+
+@pytest.mark.parametrize("mode", [{"speculation": "block", "num_speculative_tokens": 3, "draft_loops": 1},
+                                  {"speculation": "block", "num_speculative_tokens": 2, "draft_loops": 2},
+                                  {"speculation": "pipeline", "draft_loops": 1}],
+                         ids=["block-d1", "block-d2", "pipeline-d1"])
+def test_speculation(tiny_ckpt, refs, mode):
+    """Speculation drafts and verifies dense decode rows after a sparse prefill: greedy
+    tokens as the reference's serial greedy decode."""
+    window, retention = CASES["w8"]
+    engine = _engine(tiny_ckpt, window, retention, **mode)
+    probe = Probe(engine, window)
+    got = _run(engine, PROMPTS)
+    _check(tiny_ckpt, refs, "w8", got, probe)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_preemption_resumes_exactly(tiny_ckpt, refs, policy):
+    """Requests preempted at fixed steps, windows split mid-loop included, emit what the
+    reference does; a recomputed request selects its windows again, the same way."""
+    window, retention = CASES["w8-half"]
+    engine = _engine(tiny_ckpt, window, retention, max_num_batched_tokens=3, preemption_mode=policy)
+    victims = []
+    original = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda req: (victims.append((req.request_id, dict(req.window_rows))), original(req))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    step = 0
+    while engine.has_unfinished():
+        # A request mid-window whenever there is one, else any every 4 steps; each at most
+        # twice, so all finish.
+        running = [r for r in engine.scheduler.running if sum(v == r.request_id for v, _ in victims) < 2]
+        split = [r for r in running if r.window_rows]
+        if split or (running and step % 4 == 1):
+            engine.scheduler.preempt((split or running)[0])
+        for o in engine.step():
+            assert o.error is None, o.error
+            tokens, logprobs = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+        step += 1
+        assert step < 3000
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    assert len(victims) >= 4 and any(rows for _, rows in victims), "no preemption hit a split window"
+    _check(tiny_ckpt, refs, "w8-half", out, None)
+
+
+def test_snapshot_mid_window(tiny_ckpt, refs):
+    """A snapshot taken while a window is split across calls restores (into another engine)
+    to the same selection and output."""
+    window, retention = CASES["w8-half"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    engine = _engine(tiny_ckpt, window, retention, max_num_batched_tokens=2)
+    engine.add_request("r3", PROMPTS[3], params)
+    for _ in range(200):
+        engine.step()
+        req = engine.requests["r3"]
+        if req.window_rows:
+            break
+    assert req.window_rows, "the window never split"
+    snap = engine.snapshot("r3")
+    engine.abort("r3")
+    other = _engine(tiny_ckpt, window, retention, max_num_batched_tokens=2)
+    other.restore(type(snap).from_bytes(snap.to_bytes()))
+    tokens = [t for o in other.drain() for t in o.token_ids]
+    assert tokens == _reference(tiny_ckpt, refs, "w8-half", 3)[0]
+
+
+def test_a_snapshot_from_another_window_setting_is_refused(tiny_ckpt):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = _engine(tiny_ckpt, 8, CASES["w8"][1])
+    engine.add_request("a", PROMPTS[0], params)
+    engine.step()
+    snap = engine.snapshot("a")
+    other = _engine(tiny_ckpt, 16, CASES["w8"][1])
+    with pytest.raises(Exception, match="token_sparse_prefill"):
+        other.restore(snap)
+
+
+def test_triton_backend_under_the_interpreter(tiny_ckpt, refs, monkeypatch):
+    """The paged attention kernel serves compacted rows with nonconsecutive positions."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    window, retention = CASES["w5"]
+    engine = _engine(tiny_ckpt, window, retention, attention_backend="triton")
+    probe = Probe(engine, window)
+    got = _run(engine, PROMPTS[:2])
+    _check(tiny_ckpt, refs, "w5", got, probe, prompts=range(2))
+
+
+def test_full_retention_and_off_take_the_dense_path(tiny_ckpt):
+    """Retention 1.0 everywhere or enabled false: no selection work, no previous-state copy,
+    and the dense engine's output."""
+    dense = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float32", num_kv_pages=512,
+                                                block_size=4))
+    want = _run(dense, PROMPTS)
+    for group in ({"window": 8, "retention": [1, 1, 1, 1]}, {"enabled": False, "window": 8}):
+        engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float32",
+                                                     num_kv_pages=512, block_size=4, token_sparse_prefill=group))
+        assert engine.scheduler.windows is None and engine.executor.runner.slots.previous.shape[1] == 0
+        probe = Probe(engine, 8)
+        assert _run(engine, PROMPTS) == want and not probe.kept
+
+
+# ---- the selection step alone ---------------------------------------------------------------
+def _storage(hidden: torch.Tensor, previous: torch.Tensor, depth: int) -> SlotStorage:
+    n, h = hidden.shape
+    slots = SlotStorage(n + 1, h, torch.float32, torch.device("cpu"), keep_previous=True)
+    slots.hidden[:n], slots.previous[:n] = hidden, previous
+    slots.depth[:n] = depth
+    return slots
+
+
+def _window(n: int, depth: int, budget: int, rank: int = 0, rows: int | None = None, start: int = 16) -> WindowRows:
+    return WindowRows("r", 0, budget if rows is None else rows, torch.arange(n), start, depth, budget, rank, 0, 0,
+                      False)
+
+
+def test_selection_breaks_ties_by_position_and_keeps_the_highest_scores():
+    previous = torch.zeros(6, 4)
+    hidden = torch.ones(6, 4)
+    previous[1] = previous[4] = 0.5  # tokens 1 and 4 changed less; 0, 2, 3, 5 tie
+    slots = _storage(hidden, previous, depth=2)
+    sparse_prefill.select(slots, _window(6, 2, 3), 1e-6)
+    assert (slots.selected[:6] == 2).nonzero().flatten().tolist() == [0, 2, 3]
+    scores = sparse_prefill.change_scores(slots, torch.arange(6), 1e-6)
+    assert torch.allclose(scores, torch.tensor([1.0, 0.5, 1.0, 1.0, 0.5, 1.0]))
+
+
+def test_selection_is_nested_and_exited_tokens_only_fill():
+    """At depth 3 only tokens that ran depth 2 are eligible; exited ones rank below every
+    eligible one and above the rest."""
+    hidden = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    slots = _storage(hidden, torch.zeros(6, 4), depth=3)
+    slots.depth[[0, 5]] = 2  # did not run loop 3: never eligible for loop 4
+    slots.exited[2] = True
+    sparse_prefill.select(slots, _window(6, 3, 3), 1e-6)
+    kept = set((slots.selected[:6] == 3).nonzero().flatten().tolist())
+    assert kept == {1, 3, 4}
+    slots.selected.fill_(-1)
+    sparse_prefill.select(slots, _window(6, 3, 4), 1e-6)
+    assert set((slots.selected[:6] == 3).nonzero().flatten().tolist()) == {1, 2, 3, 4}
+
+
+def test_rows_fill_in_position_order_and_the_rest_inherit():
+    n = 6
+    slots = _storage(torch.zeros(n, 4), torch.zeros(n, 4), depth=2)
+    slots.selected[[4, 1, 5]] = 2
+    kv = PagedKV(1, 8, 4, 1, 2, torch.float32, torch.device("cpu"))
+    kv.k.normal_()
+    kv.v.normal_()
+    before_k = kv.k.clone()
+    tables = torch.tensor([4, 5, 6, 0, 1, 2])  # plane 1 pages at offset 0, plane 2 pages at offset 3
+    w = WindowRows("r", 2, 2, torch.arange(n), 2, 2, 3, 1, 3, 0, False)  # positions 2..7, ranks 1..2
+    sparse_prefill.inherit(kv, slots, w, tables, 4)
+    src = [tables[0 + p // 4] * 4 + p % 4 for p in range(2, 8)]
+    dst = [tables[3 + p // 4] * 4 + p % 4 for p in range(2, 8)]
+    for i in range(n):
+        want = before_k[0, src[i]] if i not in (1, 4, 5) else before_k[0, dst[i]]
+        assert torch.equal(kv.k[0, dst[i]], want)
+    batch_slots = torch.full((5,), -1)
+    lp = type("LP", (), {"token_slots": torch.full((5,), -1), "positions": torch.full((5,), -1)})()
+    sparse_prefill.fill_rows(slots, w, batch_slots, lp)
+    assert batch_slots.tolist() == [-1, -1, 4, 5, -1] and lp.positions.tolist() == [-1, -1, 6, 7, -1]
+
+
+# ---- configuration --------------------------------------------------------------------------
+@pytest.mark.parametrize("value, message", [
+    ("{", "must be a JSON object"),
+    ("[1]", "must be a JSON object"),
+    ({"window": 0}, "window must be a positive integer"),
+    ({"retention": [1, 0.5, 0.25, 0.1]}, "keep loops 1 and 2 dense"),
+    ({"retention": [1, 1, 0.1, 0.25]}, "must not increase"),
+    ({"retention": [1, 1, 0, 0]}, "must lie in"),
+    ({"retention": "x"}, "list of numbers"),
+    ({"windw": 8}, "has no option 'windw'"),
+    ({"enabled": "yes"}, "true or false"),
+])
+def test_configuration_errors_are_one_line(value, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        EngineConfig.from_kwargs("m", token_sparse_prefill=value)
+    assert "\n" not in str(info.value)
+
+
+def test_start_up_checks(tiny_ckpt):
+    with pytest.raises(ConfigError, match="retention has 3 values; the model runs 4 loops"):
+        EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", token_sparse_prefill={"retention": [1, 1, 0.5]}))
+    with pytest.raises(ConfigError, match="exceeds the engine's .* token slots"):
+        EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", max_num_batched_tokens=4,
+                                            token_sparse_prefill={"window": 1000}))
+
+
+def test_defaults_and_summary():
+    cfg = EngineConfig.from_kwargs("m", token_sparse_prefill="{}")
+    group = cfg.token_sparse_prefill
+    assert group.enabled and group.retention == (1.0, 1.0, 0.25, 0.10)
+    assert cfg.summary()["token_sparse_prefill"] == {"enabled": True, "window": group.window,
+                                                      "retention": [1.0, 1.0, 0.25, 0.1]}
+    assert not EngineConfig.from_kwargs("m").token_sparse_prefill.enabled
+    assert [group.budget(2, n) for n in (10, 3, 1, 8)] == [3, 1, 1, 2]
+    assert [group.budget(3, n) for n in (10, 11, 100)] == [1, 2, 10]
+    assert TokenSparsePrefill(enabled=True, retention=(1, 1, 0.07, 0.07)).budget(2, 100) == 7  # not 8
+    assert group.bounds(13, 20) == (0, 20) if group.window >= 20 else True
+    assert TokenSparsePrefill(window=8).bounds(13, 20) == (8, 16)
+    assert TokenSparsePrefill(window=8).bounds(17, 20) == (16, 20)
+    assert math.isclose(0.1 * 30, 3.0000000000000004)  # why the budget is computed from the decimal
