@@ -30,9 +30,10 @@ def expected():
     return [o.token_ids for o in outs]
 
 
-async def serve_streams(args: list[str]) -> tuple[list[list], str]:
+async def serve_streams(args: list[str], after=None) -> tuple[list[list], str]:
     """16 concurrent greedy streams of PROMPTS through a server of the shipped model started
-    with `args`; each stream's events and the /metrics text after them (the server must exit 0)."""
+    with `args`; each stream's events and the /metrics text after them (the server must exit 0).
+    `after(client)`: awaited after the streams, before /metrics."""
     srv = ServerProcess(["--model", str(default_model_path()), "--device", "cpu", "--dtype", "float64",
                          "--log-level", "warning", *args], env={"OMP_NUM_THREADS": "1"})
     srv.start()
@@ -41,6 +42,8 @@ async def serve_streams(args: list[str]) -> tuple[list[list], str]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
             results = await asyncio.gather(*(stream_events(client, "/v1/completions", {**body, "prompt": PROMPTS[i % 8]})
                                              for i in range(16)))
+            if after is not None:
+                await after(client)
             metrics = (await client.get("/metrics")).text
     finally:
         assert srv.stop() == 0, srv.output

@@ -44,7 +44,7 @@ CASES = {  # window, retention
 
 def _engine(ckpt, window: int, retention, **kw) -> EngineCore:
     return EngineCore(EngineConfig.from_kwargs(
-        str(ckpt), device="cpu", dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4,
+        str(ckpt), device=kw.pop("device", "cpu"), dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4,
         token_sparse_prefill={"window": window, "retention": list(retention)}, **kw))
 
 
@@ -127,6 +127,11 @@ def test_matches_the_reference(any_ckpt, refs, case):
     got = _run(engine, PROMPTS)
     _check(any_ckpt, refs, case, got, probe)
     assert probe.kept, "no window was sparse"
+    stats = engine.stats()
+    left_out = sum(min((win + 1) * window, len(PROMPTS[int(r[1:])])) - win * window - len(pos)
+                   for (r, _, win), pos in probe.kept.items())
+    assert stats.prefill_rows_skipped == left_out > 0
+    assert stats.token_sparse_prefill == {"enabled": True, "window": window, "retention": list(retention)}
 
 
 def test_the_last_tokens_need_not_be_kept(tiny_ckpt, refs):
@@ -383,3 +388,55 @@ def test_defaults_and_summary():
     assert TokenSparsePrefill(window=8).bounds(13, 20) == (8, 16)
     assert TokenSparsePrefill(window=8).bounds(17, 20) == (16, 20)
     assert math.isclose(0.1 * 30, 3.0000000000000004)  # why the budget is computed from the decimal
+
+
+# ---- CUDA graphs and the device seam ----------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_padded_pass_blocks(tiny_ckpt):
+    """Rows filled in on the device land in blocks padded to graph buckets (what a replay
+    copies) as in unpadded ones."""
+    window, retention = CASES["w8"]
+    want = _run(_engine(tiny_ckpt, window, retention, max_num_batched_tokens=16), PROMPTS, stagger=True)
+    engine = _engine(tiny_ckpt, window, retention, max_num_batched_tokens=16)
+    engine.executor.runner.batches.buckets = (1, 2, 4, 8, 16)
+    assert _run(engine, PROMPTS, stagger=True) == want
+
+
+@cuda
+def test_graphs_replay_window_rows(tiny_ckpt, refs):
+    """On the GPU, passes holding a window's rows replay through CUDA graphs where they fit a
+    bucket, and emit the reference's greedy tokens (fp32; logprobs within 1e-4 of eager)."""
+    window, retention = CASES["w8"]
+    kw = dict(device="cuda", max_num_batched_tokens=16)
+    eager = _run(_engine(tiny_ckpt, window, retention, enforce_eager=True, **kw), PROMPTS, stagger=True)
+    engine = _engine(tiny_ckpt, window, retention, **kw)
+    runner = engine.executor.runner
+    built, replayed = [], []
+    build, replay = runner.batches.build, runner.graphs.replay
+    runner.batches.build = lambda plan: built.append(build(plan)) or built[-1]
+    runner.graphs.replay = lambda lp, hidden: (replayed.append(bool(built[-1].windows)), replay(lp, hidden))[1]
+    got = _run(engine, PROMPTS, stagger=True)
+    assert any(replayed), "no pass with window rows was replayed"
+    for r, (tokens, logprobs) in eager.items():
+        assert got[r][0] == tokens and got[r][1] == pytest.approx(logprobs, abs=1e-4)
+    _check(tiny_ckpt, refs, "w8", got, None)
+
+
+@cuda
+def test_selection_does_not_synchronise(tiny_ckpt):
+    window, retention = CASES["w8"]
+    engine = _engine(tiny_ckpt, window, retention, device="cuda", max_num_batched_tokens=16)
+    submit = engine.executor.submit
+
+    def checked(plan):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return submit(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.executor.submit = checked
+    got = _run(engine, PROMPTS)
+    assert all(len(t) == MAX_TOKENS for t, _ in got.values()) and engine.scheduler.prefill_rows_skipped > 0

@@ -32,6 +32,7 @@ from specloop.engine.snapshot import check as check_snapshot
 from specloop.engine.snapshot import install as install_snapshot
 from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
 from specloop.flashloop.config import TokenSparsePrefill
+from specloop.flashloop.config import summary as group_summary
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.heads import SpeculationHeads, Verifier
 from specloop.pipeline.metrics import SpeculationMetrics
@@ -73,6 +74,8 @@ class EngineStats:
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()  # rounds whose candidate i was accepted
     num_preemptions: int = 0  # running requests preempted so far (they resume by recompute)
+    prefill_rows_skipped: int = 0  # prompt token-loops token-sparse prefill left out (planned so far)
+    token_sparse_prefill: dict[str, Any] = dataclasses.field(default_factory=dict)  # the effective group
 
 
 def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loops: int, num_token_slots: int) -> int:
@@ -359,7 +362,8 @@ class EngineCore:
         m = self.metrics
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
-                           m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions)
+                           m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions,
+                           self.scheduler.prefill_rows_skipped, group_summary(self.config.token_sparse_prefill))
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -117,6 +117,7 @@ class Scheduler:
         self.reserve_max_tokens = False
         self.watermark_pages = max(kv.num_planes, kv.num_pages // 100)  # kept free at admission while others run
         self.num_preemptions = 0
+        self.prefill_rows_skipped = 0  # prompt token-loops left out by token-sparse prefill
         self._returning = 0  # pages of preempted requests whose release waits for a ticket
         self.preemption_mode = preemption_mode
         # Swap preemption's device half, set by the engine: snapshot a quiet request to host
@@ -406,6 +407,8 @@ class Scheduler:
             if loops != 1 or depth < 1:
                 raise AssertionError(f"a sparse window group runs one loop past depth 0, not {depth}..{last}")
             sparse = SparseWindow(*window, inherit_table=self.kv.page_table(key, depth - 1)[:pages])
+            if sparse.first == 0:
+                self.prefill_rows_skipped += end - start - sparse.budget
         completes = sparse is None or sparse.completes
         if last == self.num_loops - 1 and completes:
             for pos in range(start, end):
