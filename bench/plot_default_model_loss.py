@@ -28,7 +28,8 @@ def plot(log_path: Path, png_path: Path) -> None:
                 label=f"loop {loop + 1} (validation; faint: train)")
     ax.axvline(log["best_step"], color="grey", ls="--", lw=1, label=f"kept: step {log['best_step']}")
     ax.set_ylim(1.0, 3.5)
-    ax.set_xlabel("step (32 x 1024 tokens)")
+    train_cfg = log["train_config"]
+    ax.set_xlabel(f"step ({train_cfg['batch_size']} x {train_cfg['seq_len']} tokens)")
     ax.set_ylabel("next-token cross-entropy (nats)")
     ax.set_title(f"default looped model: {log['parameters'] / 1e6:.1f} M params, {log['epochs']:.1f} epochs, "
                  f"{log['train_seconds']:.0f} s on {log['device']}")
