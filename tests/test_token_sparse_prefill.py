@@ -440,3 +440,33 @@ def test_selection_does_not_synchronise(tiny_ckpt):
     engine.executor.submit = checked
     got = _run(engine, PROMPTS)
     assert all(len(t) == MAX_TOKENS for t, _ in got.values()) and engine.scheduler.prefill_rows_skipped > 0
+
+
+def test_aborts_and_id_reuse_mid_window_leave_nothing(tiny_ckpt, refs):
+    """Requests aborted while their windows wait, run or are split (pre-taken token slots
+    included) give everything back; a request reusing an aborted ID runs as if alone."""
+    window, retention = CASES["w8-half"]
+    engine = _engine(tiny_ckpt, window, retention, max_num_batched_tokens=3)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    aborted = set()
+    out: dict[str, list[int]] = {}
+    for step in range(4000):
+        if not engine.has_unfinished():
+            break
+        split = [r for r in engine.scheduler.running if r.window_rows and r.request_id not in aborted]
+        if split and len(aborted) < 2:
+            victim = split[0].request_id
+            engine.abort(victim)
+            aborted.add(victim)
+            out.pop(victim, None)
+            engine.add_request(victim, PROMPTS[int(victim[1:])], params)  # the same ID again
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    assert len(aborted) == 2, "no request was caught mid-window"
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    assert engine.scheduler.cells.num_free == engine.scheduler.cells.size
+    for i in range(len(PROMPTS)):
+        assert out[f"r{i}"] == _reference(tiny_ckpt, refs, "w8-half", i)[0], f"r{i}"
