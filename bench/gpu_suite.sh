@@ -4,8 +4,10 @@
 # Each step has its own time limit; results land in $OUT, a summary on stdout. Each PART
 # fits one 10-minute device call: PART=tests the GPU tests; PART=bench the model check,
 # baseline and profile; PART=serve the engine check, the speculation replay and the
-# served load; PART=preempt the preemption tests on the GPU and bench/preemption.py.
-# Unset: all four, one after the other.
+# served load; PART=preempt the preemption tests on the GPU and bench/preemption.py;
+# PART=flashloop the token-sparse prefill GPU tests and bench/sparse_prefill.py;
+# PART=quality bench/flashloop_quality.py and the shipped model's acceptance (carry
+# out/stdlib_tokens.npz). Unset: tests, preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,6 +26,19 @@ if [ "$PART" = preempt ] || [ "$PART" = all ]; then
 TAIL=12 step 300 python -m pytest -q -rf --tb=short tests/test_preemption.py tests/test_snapshot.py
 fi
 [ "$PART" = tests ] && exit 0
+if [ "$PART" = flashloop ]; then
+  TAIL=8 step 150 python -m pytest -q -rf --tb=short tests/test_token_sparse_prefill.py tests/test_cuda_no_sync.py
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  TAIL=20 step 330 python bench/sparse_prefill.py --model /tmp/ouro14 --out "$OUT/sparse_prefill_h200.json"
+  exit 0
+fi
+if [ "$PART" = quality ]; then
+  TAIL=24 step 330 python bench/flashloop_quality.py --streams out/stdlib_tokens.npz --out "$OUT/flashloop_quality_h200.json"
+  TAIL=6 step 200 python bench/acceptance.py --device cuda --dtype float32 --prompts 4 --prompt-len 64 --max-tokens 48 \
+    --ks 1,2,4,8 --ds 1,2,3 --temperatures 0,0.8 --out "$OUT/acceptance_default_cuda.json" \
+    --trace-out "$OUT/acceptance_traces.json"
+  exit 0
+fi
 [ "$PART" = preempt ] && python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 \
   && step 200 python bench/preemption.py --model /tmp/ouro14 --out "$OUT/preemption_h200_exact_lengths.json" \
   && step 200 python bench/preemption.py --model /tmp/ouro14 --stop-every 64 --out "$OUT/preemption_h200_early_stops.json" \
