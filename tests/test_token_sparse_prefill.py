@@ -24,7 +24,7 @@ from specloop.errors import ConfigError
 from specloop.flashloop.config import TokenSparsePrefill
 from specloop.model.flashloop_reference import FlashLoopFeatures, SparsePrefill, flashloop_forward, flashloop_greedy
 from specloop.runtime import sparse_prefill
-from specloop.runtime.forward_batch import WindowRows
+from specloop.runtime.forward_batch import WindowBatch, WindowRows
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
@@ -262,6 +262,8 @@ def test_a_snapshot_from_another_window_setting_is_refused(tiny_ckpt):
         other.restore(snap)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter needs TRITON_INTERPRET before triton "
+                    "loads; on the GPU the graph test runs the compiled kernel")
 def test_triton_backend_under_the_interpreter(tiny_ckpt, refs, monkeypatch):
     """The paged attention kernel serves compacted rows with nonconsecutive positions."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -295,9 +297,23 @@ def _storage(hidden: torch.Tensor, previous: torch.Tensor, depth: int) -> SlotSt
     return slots
 
 
-def _window(n: int, depth: int, budget: int, rank: int = 0, rows: int | None = None, start: int = 16) -> WindowRows:
-    return WindowRows("r", 0, budget if rows is None else rows, torch.arange(n), start, depth, budget, rank, 0, 0,
-                      False)
+def _batch(groups: list[dict], pad: int) -> WindowBatch:
+    """A WindowBatch of groups given as dicts: slots, start, depth, budget, rank, rows, first,
+    table, inherited (what the forward batch builder uploads)."""
+    width = max(len(g["slots"]) for g in groups)
+    slots = torch.tensor([g["slots"] + [pad] * (width - len(g["slots"])) for g in groups])
+    info = torch.tensor([[g["start"], len(g["slots"]), g["depth"], g["budget"], int(g["rank"] == 0),
+                          g.get("table", 0), g.get("inherited", 0)] for g in groups])
+    rows = [r for g in groups for r in range(g["first"], g["first"] + g["rows"])]
+    of = [i for i, g in enumerate(groups) for _ in range(g["rows"])]
+    ranks = [k for g in groups for k in range(g["rank"], g["rank"] + g["rows"])]
+    host = [WindowRows("r", g["first"], g["rows"], slots[i, : len(g["slots"])], g["start"], g["depth"], g["budget"],
+                       g["rank"], False) for i, g in enumerate(groups)]
+    return WindowBatch(host, slots, info, torch.tensor(rows), torch.tensor(of), torch.tensor(ranks))
+
+
+def _kept(slots: SlotStorage, n: int, depth: int) -> list[int]:
+    return (slots.selected[:n] == depth).nonzero().flatten().tolist()
 
 
 def test_selection_breaks_ties_by_position_and_keeps_the_highest_scores():
@@ -305,8 +321,9 @@ def test_selection_breaks_ties_by_position_and_keeps_the_highest_scores():
     hidden = torch.ones(6, 4)
     previous[1] = previous[4] = 0.5  # tokens 1 and 4 changed less; 0, 2, 3, 5 tie
     slots = _storage(hidden, previous, depth=2)
-    sparse_prefill.select(slots, _window(6, 2, 3), 1e-6)
-    assert (slots.selected[:6] == 2).nonzero().flatten().tolist() == [0, 2, 3]
+    kept = sparse_prefill.select(slots, _batch([dict(slots=list(range(6)), start=16, depth=2, budget=3, rank=0,
+                                                     first=0, rows=3)], pad=6), 1e-6)
+    assert _kept(slots, 6, 2) == [0, 2, 3] and kept[0].nonzero().flatten().tolist() == [0, 2, 3]
     scores = sparse_prefill.change_scores(slots, torch.arange(6), 1e-6)
     assert torch.allclose(scores, torch.tensor([1.0, 0.5, 1.0, 1.0, 0.5, 1.0]))
 
@@ -318,25 +335,50 @@ def test_selection_is_nested_and_exited_tokens_only_fill():
     slots = _storage(hidden, torch.zeros(6, 4), depth=3)
     slots.depth[[0, 5]] = 2  # did not run loop 3: never eligible for loop 4
     slots.exited[2] = True
-    sparse_prefill.select(slots, _window(6, 3, 3), 1e-6)
-    kept = set((slots.selected[:6] == 3).nonzero().flatten().tolist())
-    assert kept == {1, 3, 4}
+    group = dict(slots=list(range(6)), start=0, depth=3, budget=3, rank=0, first=0, rows=3)
+    sparse_prefill.select(slots, _batch([group], pad=6), 1e-6)
+    assert set(_kept(slots, 6, 3)) == {1, 3, 4}
     slots.selected.fill_(-1)
-    sparse_prefill.select(slots, _window(6, 3, 4), 1e-6)
-    assert set((slots.selected[:6] == 3).nonzero().flatten().tolist()) == {1, 2, 3, 4}
+    sparse_prefill.select(slots, _batch([{**group, "budget": 4, "rows": 4}], pad=6), 1e-6)
+    assert set(_kept(slots, 6, 3)) == {1, 2, 3, 4}
+
+
+def test_groups_of_a_call_select_independently():
+    """Two windows (one short, padded) in one batch choose as each would alone; a group
+    continuing a split window keeps the marks an earlier call made."""
+    gen = torch.Generator().manual_seed(2)
+    hidden, previous = torch.randn(11, 4, generator=gen), torch.randn(11, 4, generator=gen)
+    alone = []
+    for members, budget in ((list(range(8)), 3), ([8, 9, 10], 2)):
+        slots = _storage(hidden, previous, depth=2)
+        sparse_prefill.select(slots, _batch([dict(slots=members, start=0, depth=2, budget=budget, rank=0, first=0,
+                                                  rows=budget)], pad=11), 1e-6)
+        alone.append(_kept(slots, 11, 2))
+    slots = _storage(hidden, previous, depth=2)
+    both = _batch([dict(slots=list(range(8)), start=0, depth=2, budget=3, rank=0, first=0, rows=3),
+                   dict(slots=[8, 9, 10], start=8, depth=2, budget=2, rank=0, first=3, rows=2)], pad=11)
+    sparse_prefill.select(slots, both, 1e-6)
+    assert _kept(slots, 11, 2) == sorted(alone[0] + alone[1])
+    slots = _storage(hidden, previous, depth=2)
+    slots.selected[[1, 4, 6]] = 2  # a split window selected in an earlier call: its later group keeps that
+    later = _batch([dict(slots=list(range(8)), start=0, depth=2, budget=3, rank=2, first=0, rows=1)], pad=11)
+    kept = sparse_prefill.select(slots, later, 1e-6)
+    assert _kept(slots, 11, 2) == [1, 4, 6] and kept[0].nonzero().flatten().tolist() == [1, 4, 6]
 
 
 def test_rows_fill_in_position_order_and_the_rest_inherit():
     n = 6
     slots = _storage(torch.zeros(n, 4), torch.zeros(n, 4), depth=2)
     slots.selected[[4, 1, 5]] = 2
-    kv = PagedKV(1, 8, 4, 1, 2, torch.float32, torch.device("cpu"))
+    kv = PagedKV(1, 9, 4, 1, 2, torch.float32, torch.device("cpu"))  # page 8: the sink
     kv.k.normal_()
     kv.v.normal_()
     before_k = kv.k.clone()
     tables = torch.tensor([4, 5, 6, 0, 1, 2])  # plane 1 pages at offset 0, plane 2 pages at offset 3
-    w = WindowRows("r", 2, 2, torch.arange(n), 2, 2, 3, 1, 3, 0, False)  # positions 2..7, ranks 1..2
-    sparse_prefill.inherit(kv, slots, w, tables, 4)
+    wb = _batch([dict(slots=list(range(n)), start=2, depth=2, budget=3, rank=0, first=2, rows=2, table=3,
+                      inherited=0)], pad=n)  # positions 2..7, ranks 0..1
+    kept = (slots.selected[:n] == 2)[None]
+    sparse_prefill.inherit(kv, wb, kept, tables, 4)
     src = [tables[0 + p // 4] * 4 + p % 4 for p in range(2, 8)]
     dst = [tables[3 + p // 4] * 4 + p % 4 for p in range(2, 8)]
     for i in range(n):
@@ -344,8 +386,9 @@ def test_rows_fill_in_position_order_and_the_rest_inherit():
         assert torch.equal(kv.k[0, dst[i]], want)
     batch_slots = torch.full((5,), -1)
     lp = type("LP", (), {"token_slots": torch.full((5,), -1), "positions": torch.full((5,), -1)})()
-    sparse_prefill.fill_rows(slots, w, batch_slots, lp)
-    assert batch_slots.tolist() == [-1, -1, 4, 5, -1] and lp.positions.tolist() == [-1, -1, 6, 7, -1]
+    sparse_prefill.fill_rows(wb, kept, batch_slots, lp)
+    assert batch_slots.tolist() == [-1, -1, 1, 4, -1] and lp.positions.tolist() == [-1, -1, 3, 6, -1]
+    assert lp.token_slots.tolist() == [-1, -1, 1, 4, -1]
 
 
 # ---- configuration --------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from specloop.pipeline.metrics import SpeculationMetrics
 from specloop.pipeline.rounds import RoundController
 from specloop.pipeline.token_pipeline import TokenPipeline
 from specloop.runtime.attention import make_backend
-from specloop.runtime.forward_batch import ForwardBatchBuilder
+from specloop.runtime.forward_batch import WINDOW_INFO, ForwardBatchBuilder
 from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.runner import Runner
@@ -79,17 +79,20 @@ class EngineStats:
 
 
 def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loops: int, num_token_slots: int) -> int:
-    """The most window token slots one plan's sparse prefill groups carry (0: none): complete
-    groups run at least retention x their window's tokens, so they carry at most rows /
-    retention; each request and sparse depth may add one window split by the budget."""
+    """Integers one plan's sparse prefill groups add to the forward batch (0: none). A group
+    uploads a padded row of `window` token slots and its info; a complete group of a full
+    window runs at least its budget, so at most rows / budget of them fit a plan, and each
+    request and sparse depth may add a short last window and a window split by the budget.
+    Each row the groups run adds three integers."""
     if not sparse.active:
         return 0
     if sparse.window > num_token_slots:
         raise ConfigError(f"token_sparse_prefill.window ({sparse.window}) exceeds the engine's {num_token_slots} "
                           f"token slots: a window's tokens wait for each other before the sparse loops; raise "
                           f"max_num_batched_tokens or use a smaller window")
-    least = min(sparse.retention)
-    return math.ceil(rows / least) + max_seqs * (num_loops - 2) * sparse.window
+    least = min(sparse.budget(d, sparse.window) for d in range(2, num_loops))
+    groups = math.ceil(rows / least) + 2 * max_seqs * (num_loops - 2)
+    return groups * (sparse.window + WINDOW_INFO) + 3 * rows
 
 
 class EngineCore:

@@ -147,20 +147,36 @@ class PassLayout:
 
 @dataclasses.dataclass
 class WindowRows:
-    """A prompt window's group at a sparse loop: batch rows [first, first + rows) run ranks
-    [rank, rank + rows) of the `budget` tokens it keeps at `depth` (selected here when rank == 0)."""
+    """A prompt window's group at a sparse loop (host side): batch rows [first, first + rows)
+    run ranks [rank, rank + rows) of the `budget` tokens it keeps at `depth` (selected in this
+    call when rank == 0)."""
 
     request_id: str
     first: int
     rows: int
-    window_slots: torch.Tensor  # [n] long: token slots of the window's tokens, in position order
+    window_slots: torch.Tensor  # [n] long: token slots of the window's tokens, in position order (a view)
     start: int  # the window's first absolute position
     depth: int
     budget: int
     rank: int
-    table: int  # offset of the depth's page table in `tables`
-    inherit_table: int  # offset of the previous depth's page table (inactive tokens inherit from it)
     head: bool  # the group samples: its head reads the prompt's last token, selected or not
+
+
+@dataclasses.dataclass
+class WindowBatch:
+    """The call's sparse prefill groups, batched for the device (`sparse_prefill.run`): one
+    padded row of window token slots per group, its integers, and one entry per batch row
+    the groups run."""
+
+    windows: list[WindowRows]
+    slots: torch.Tensor  # [G, W] long, padded with the pad slot
+    info: torch.Tensor  # [G, WINDOW_INFO] long: start, length, depth, budget, selects here, table, inherited table
+    rows: torch.Tensor  # [R] long: batch rows
+    row_window: torch.Tensor  # [R] long: the group of each
+    row_rank: torch.Tensor  # [R] long: the rank of the kept token each runs
+
+
+WINDOW_INFO = 7
 
 
 @dataclasses.dataclass
@@ -177,7 +193,7 @@ class ForwardBatch:
     host_groups: list[RowGroup]  # groups with a host result, in result order
     page_size: int
     tables: torch.Tensor | None = None  # [T] long: the page tables every pass reads
-    windows: list[WindowRows] = dataclasses.field(default_factory=list)  # sparse prefill groups
+    windows: WindowBatch | None = None  # sparse prefill groups
 
     def segment(self, kind: type) -> HeadSegment | None:
         return self.heads.get(kind)
@@ -233,7 +249,7 @@ class ForwardBatchBuilder:
         positions: list[int] = []
         depths: list[int] = []
         tables: list[int] = []
-        table_at: dict[tuple[int, int], tuple[int, int]] = {}
+        table_at: dict[tuple[int, int], int] = {}
         enter: list[int] = []
         enter_inc: list[int] = []
         by_kind: dict[type, list[tuple[int, RowGroup]]] = {}
@@ -245,16 +261,17 @@ class ForwardBatchBuilder:
         num_passes = ordered[0].loops if ordered else 1
         shapes: list[list[GroupShape]] = [[] for _ in range(num_passes)]  # per pass
         plane_columns: list[list[int]] = [[] for _ in range(self.num_loops if plan.adaptive_exit else 0)]
+        longest = _longest_tables(ordered)  # one table per (cell, plane): shorter ones are its prefixes
         for group in ordered:
             n = group.num_rows
-            own = _table_offset(table_at, tables, group.cell, group.depth, group.page_table)
-            planes = [own] + [_table_offset(table_at, tables, group.cell, plane, table)
-                              for plane, table in enumerate(group.deeper_tables, start=group.depth + 1)]
+            own = _table_offset(table_at, tables, longest, group.cell, group.depth)
+            planes = [own] + [_table_offset(table_at, tables, longest, group.cell, plane)
+                              for plane in range(group.depth + 1, group.depth + 1 + len(group.deeper_tables))]
             for p in range(group.loops):
                 shapes[p].append(GroupShape(first, n, group.end, planes[p]))
             if group.window is not None:  # placeholders: the runner selects the rows
-                windows.append((first, group, own, _table_offset(table_at, tables, group.cell, group.depth - 1,
-                                                                 group.window.inherit_table)))
+                windows.append((first, group, own, _table_offset(table_at, tables, longest, group.cell,
+                                                                 group.depth - 1)))
             cells.extend([group.cell] * n)
             slots.extend(group.token_slots[:n])
             tokens.extend(group.token_ids if group.token_ids is not None else [-1] * n)
@@ -288,10 +305,9 @@ class ForwardBatchBuilder:
             tiles, tile_rows = self._tiles(pass_shapes)
             blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS))
             ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns))
-        window_at = []
-        for _, group, _, _ in windows:
-            window_at.append(len(ints))
-            ints.extend(group.token_slots)
+        window_at = len(ints)
+        if windows:
+            ints.extend(self._window_ints(windows))
         if len(ints) > self._ints.numel():
             raise ValueError(f"a plan's {len(ints)} integers exceed the forward batch's upload buffer "
                              f"({self._ints.numel()})")
@@ -301,12 +317,39 @@ class ForwardBatchBuilder:
         self._release_staging()
         batch = self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
                             host_groups, results)
-        for (row, group, own, inherited), at in zip(windows, window_at):
-            w = group.window
-            window_slots = dev_ints[at: at + len(group.token_slots)]
-            batch.windows.append(WindowRows(group.request_id, row, w.rows, window_slots, group.start, group.depth,
-                                            w.budget, w.first, own, inherited, group.head is not None))
+        if windows:
+            batch.windows = self._window_views(windows, dev_ints, window_at)
         return batch
+
+    def _window_ints(self, windows: list[tuple[int, RowGroup, int, int]]) -> list[int]:
+        """`WindowBatch`'s integers: padded window slots, per-group info, per-row entries."""
+        width = max(len(g.token_slots) for _, g, _, _ in windows)
+        out: list[int] = []
+        for _, g, _, _ in windows:
+            out += g.token_slots + [self.pad_slot] * (width - len(g.token_slots))
+        for _, g, own, inherited in windows:
+            out += [g.start, len(g.token_slots), g.depth, g.window.budget, int(g.window.first == 0), own, inherited]
+        rows, of, ranks = [], [], []
+        for i, (row, g, _, _) in enumerate(windows):
+            w = g.window
+            rows += range(row, row + w.rows)
+            of += [i] * w.rows
+            ranks += range(w.first, w.first + w.rows)
+        return out + rows + of + ranks
+
+    def _window_views(self, windows: list[tuple[int, RowGroup, int, int]], ints: torch.Tensor,
+                      at: int) -> WindowBatch:
+        g, width = len(windows), max(len(w.token_slots) for _, w, _, _ in windows)
+        r = sum(w.window.rows for _, w, _, _ in windows)
+        slots = ints[at: at + g * width].view(g, width)
+        at += g * width
+        info = ints[at: at + g * WINDOW_INFO].view(g, WINDOW_INFO)
+        at += g * WINDOW_INFO
+        rows, of, ranks = ints[at: at + r], ints[at + r: at + 2 * r], ints[at + 2 * r: at + 3 * r]
+        host = [WindowRows(grp.request_id, row, grp.window.rows, slots[i, : len(grp.token_slots)], grp.start,
+                           grp.depth, grp.window.budget, grp.window.first, grp.head is not None)
+                for i, (row, grp, _, _) in enumerate(windows)]
+        return WindowBatch(host, slots, info, rows, of, ranks)
 
     def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
                slots: list[int], shapes: list[GroupShape], tiles: list[int],
@@ -409,18 +452,29 @@ def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.d
     return block
 
 
-def _table_offset(table_at: dict[tuple[int, int], tuple[int, int]], tables: list[int], cell: int, plane: int,
-                  pages: list[int]) -> int:
-    """Where (cell, plane)'s page table sits in `tables`. Groups of one request and plane
-    share one copy; a longer table (a later group reaching further) is stored anew, and
-    the earlier copy stays valid for the groups that point at it (it is its prefix)."""
+def _longest_tables(groups: list[RowGroup]) -> dict[tuple[int, int], list[int]]:
+    """The longest page table the plan's groups give each (cell, plane). Every group's table
+    of a plane is a prefix of the plane's table when the plan was built, so the longest one
+    serves them all, and the batch holds at most one table per request and plane."""
+    longest: dict[tuple[int, int], list[int]] = {}
+    for g in groups:
+        given = [(g.depth, g.page_table), *enumerate(g.deeper_tables, start=g.depth + 1)]
+        if g.window is not None:
+            given.append((g.depth - 1, g.window.inherit_table))
+        for plane, pages in given:
+            if len(pages) > len(longest.get((g.cell, plane), ())):
+                longest[(g.cell, plane)] = pages
+    return longest
+
+
+def _table_offset(table_at: dict[tuple[int, int], int], tables: list[int],
+                  longest: dict[tuple[int, int], list[int]], cell: int, plane: int) -> int:
+    """Where (cell, plane)'s page table sits in `tables` (stored on first use)."""
     key = (cell, plane)
-    at, length = table_at.get(key, (-1, -1))
-    if len(pages) > length:
-        at = len(tables)
-        tables.extend(pages)
-        table_at[key] = (at, len(pages))
-    return at
+    if key not in table_at:
+        table_at[key] = len(tables)
+        tables.extend(longest[key])
+    return table_at[key]
 
 
 def _head_ints(row: int, group: RowGroup, result: int) -> list[int]:

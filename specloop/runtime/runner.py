@@ -82,13 +82,9 @@ class Runner:
     def execute(self, plan: Plan) -> TicketOutput:
         batch = self.batches.build(plan)
         slots = self.slots
-        for w in batch.windows:  # before anything reads the rows' slots or positions
-            if w.rank == 0:
-                sparse_prefill.select(slots, w, SCORE_EPS)
-                if self.window_probe is not None:
-                    self.window_probe(w, slots.selected[w.window_slots] == w.depth)
-                sparse_prefill.inherit(self.backend.kv, slots, w, batch.tables, batch.page_size)
-            sparse_prefill.fill_rows(slots, w, batch.token_slots, batch.passes[0])
+        if batch.windows is not None:  # before anything reads the rows' slots or positions
+            sparse_prefill.run(slots, self.backend.kv, batch.windows, batch.token_slots, batch.passes[0], batch.tables,
+                               batch.page_size, SCORE_EPS, self.window_probe)
         hidden = slots.hidden[batch.token_slots]
         if batch.enter_rows is not None:  # depth-0 rows: embed into fresh slots
             enter = batch.enter_rows
@@ -115,9 +111,10 @@ class Runner:
                     final = out.new_empty(batch.num_rows, out.shape[1])
                 final[done: lp.num_rows] = out[done:]
             hidden = out
-        for w in batch.windows:  # the prompt's last token samples from its state, run here or not
-            if w.head:
-                final[w.first + w.rows - 1] = slots.hidden[w.window_slots[-1]]
+        for w in batch.windows.windows if batch.windows is not None else ():  # the prompt's last token
+            if w.head:  # samples from its state, run here or not (slices: a 0-d device index reads back)
+                last = w.first + w.rows
+                final[last - 1: last] = slots.hidden[w.window_slots[-1:]]
         return self._heads(batch, final)
 
     def run_pass(self, lp: LoopPass, hidden: torch.Tensor) -> torch.Tensor:

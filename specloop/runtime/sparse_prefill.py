@@ -13,54 +13,79 @@ then run as kept rows and change nothing). The picks are marked in the slots
 into this depth's plane, before any active row attends to it. A window split across
 calls selects once, in its first group; later groups read the marks.
 
-Nothing here reads a device value back to the host: the budget and row counts come from
-the plan.
+All groups of a call go together (`WindowBatch`: one padded row per group), so the cost
+in launches does not grow with the number of windows, and nothing is read back to the
+host: the budgets and row counts come from the plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from specloop.runtime.forward_batch import LoopPass, WindowRows, kv_slots
+from specloop.runtime.forward_batch import LoopPass, WindowBatch, WindowRows, kv_slots
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 
+Probe = Callable[[WindowRows, torch.Tensor], None]
+
 
 def change_scores(slots: SlotStorage, window_slots: torch.Tensor, eps: float) -> torch.Tensor:
-    """[n] fp32 change score of each window token over the last loop it ran."""
+    """fp32 change score of each token (any shape of slot indices) over the last loop it ran."""
     h = slots.hidden[window_slots].float()
     before = slots.previous[window_slots].float()
     return torch.linalg.vector_norm(h - before, dim=-1) / torch.linalg.vector_norm(h, dim=-1).clamp_min(eps)
 
 
-def select(slots: SlotStorage, w: WindowRows, eps: float) -> None:
-    """Mark the `w.budget` tokens the window keeps at `w.depth` (`SlotStorage.selected`)."""
-    ws = w.window_slots
+def select(slots: SlotStorage, wb: WindowBatch, eps: float) -> torch.Tensor:
+    """Mark the tokens each group selecting here keeps (`SlotStorage.selected`); returns the
+    [G, W] mask of every group's kept tokens (marked here or by an earlier call)."""
+    start, length, depth, budget, fresh, _, _ = wb.info.unbind(1)
+    ws = wb.slots
+    col = torch.arange(ws.shape[1], device=ws.device)
+    valid = col[None, :] < length[:, None]
+    d = depth[:, None]
     exited = slots.exited[ws]
-    eligible = (slots.depth[ws] == w.depth) & ~exited  # ran the previous loop: nested sets
-    score = change_scores(slots, ws, eps)
-    key = torch.where(eligible, score, torch.where(exited, -1.0, float("-inf")))
-    order = torch.sort(key, descending=True, stable=True).indices[: w.budget]
-    slots.selected[ws[order]] = w.depth
+    eligible = (slots.depth[ws] == d) & ~exited & valid  # ran the previous loop: nested sets
+    key = torch.where(eligible, change_scores(slots, ws, eps), torch.where(exited & valid, -1.0, float("-inf")))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices
+    kept = torch.zeros_like(valid).scatter_(1, order, col[None, :] < budget[:, None])
+    marks = torch.where((fresh[:, None] == 1) & kept & valid, d, slots.selected[ws])
+    slots.selected[ws.flatten()] = marks.flatten()  # padding writes the sink slot
+    return (slots.selected[ws] == d) & valid
 
 
-def inherit(kv: PagedKV, slots: SlotStorage, w: WindowRows, tables: torch.Tensor, page_size: int) -> None:
-    """The window's tokens not kept at `w.depth` expose their previous-depth K/V there."""
-    ws = w.window_slots
-    positions = w.start + torch.arange(ws.numel(), device=ws.device)
-    src = kv_slots(tables, w.inherit_table, positions, page_size)
-    dst = kv_slots(tables, w.table, positions, page_size)
-    kv.inherit(src, dst, slots.selected[ws] != w.depth)
+def inherit(kv: PagedKV, wb: WindowBatch, kept: torch.Tensor, tables: torch.Tensor, page_size: int) -> None:
+    """The tokens a selecting group leaves out expose their previous-depth K/V at its depth."""
+    start, length, _, _, fresh, table, inherited = wb.info.unbind(1)
+    col = torch.arange(wb.slots.shape[1], device=wb.slots.device)
+    move = (fresh[:, None] == 1) & (col[None, :] < length[:, None]) & ~kept
+    positions = start[:, None] + col[None, :]
+    sink = kv.k.shape[1] - 1  # the sink page's last slot: every entry that moves nothing points there
+    src = torch.where(move, kv_slots(tables, inherited[:, None], positions, page_size), sink)
+    dst = torch.where(move, kv_slots(tables, table[:, None], positions, page_size), sink)
+    kv.inherit(src.flatten(), dst.flatten(), move.flatten())
 
 
-def fill_rows(slots: SlotStorage, w: WindowRows, batch_slots: torch.Tensor, lp: LoopPass) -> None:
-    """Write the group's rows: ranks [w.rank, w.rank + w.rows) of the kept tokens, in position
+def fill_rows(wb: WindowBatch, kept: torch.Tensor, batch_slots: torch.Tensor, lp: LoopPass) -> None:
+    """Write each group's rows, ranks [rank, rank + rows) of its kept tokens in position
     order, into the batch's token slots and the pass's positions and token slots."""
-    ws = w.window_slots
-    kept_first = torch.argsort((slots.selected[ws] != w.depth).to(torch.uint8), stable=True)
-    index = kept_first[w.rank: w.rank + w.rows]
-    rows = slice(w.first, w.first + w.rows)
-    chosen = ws[index]
-    batch_slots[rows] = chosen
-    lp.token_slots[rows] = chosen
-    lp.positions[rows] = w.start + index
+    by_rank = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)  # kept first, in position order
+    index = by_rank[wb.row_window, wb.row_rank]
+    chosen = wb.slots[wb.row_window, index]
+    batch_slots[wb.rows] = chosen
+    lp.token_slots[wb.rows] = chosen
+    lp.positions[wb.rows] = wb.info[wb.row_window, 0] + index
+
+
+def run(slots: SlotStorage, kv: PagedKV, wb: WindowBatch, batch_slots: torch.Tensor, lp: LoopPass,
+        tables: torch.Tensor, page_size: int, eps: float, probe: Probe | None = None) -> None:
+    """Select, inherit and fill in the rows of every sparse prefill group of a call."""
+    kept = select(slots, wb, eps)
+    inherit(kv, wb, kept, tables, page_size)
+    if probe is not None:  # tests only: it reads the masks back
+        for g, w in enumerate(wb.windows):
+            if w.rank == 0:
+                probe(w, kept[g, : w.window_slots.numel()])
+    fill_rows(wb, kept, batch_slots, lp)
