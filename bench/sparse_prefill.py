@@ -125,7 +125,7 @@ class RowCounter:
             self.calls += 1
             self.rows += sum(lp.num_rows for lp in batch.passes)
             self.padded_rows += sum(max(lp.bucket, lp.num_rows) for lp in batch.passes)
-            self.window_groups += len(batch.windows)
+            self.window_groups += len(batch.windows.windows) if batch.windows is not None else 0
             return batch
 
         self.batches.build = counted
@@ -168,6 +168,7 @@ class SelectionTimer:
         self.wall: dict[str, float] = {n: 0.0 for n in SELECTION_CALLS}  # CPU: the call's wall time
         self.host: dict[str, float] = {n: 0.0 for n in SELECTION_CALLS}  # host time inside the calls
         self.calls: dict[str, int] = {n: 0 for n in SELECTION_CALLS}
+        self.groups: dict[str, int] = {"select": 0, "fill_rows": 0}  # windows selected, groups filled
         self.originals = {n: getattr(sparse_prefill, n) for n in SELECTION_CALLS}
         for name, fn in self.originals.items():
             setattr(sparse_prefill, name, self._wrap(name, fn))
@@ -200,6 +201,9 @@ class SelectionTimer:
                 self.wall[name] += dt  # synchronous on CPU
             self.host[name] += dt
             self.calls[name] += 1
+            wb = args[1] if name == "select" else args[0] if name == "fill_rows" else None
+            if wb is not None:  # one call serves every window group of a forward call
+                self.groups[name] += sum(w.rank == 0 for w in wb.windows) if name == "select" else len(wb.windows)
             return result
         return timed
 
@@ -238,7 +242,7 @@ class SelectionTimer:
                 "host_ms": {**{n: round(1e3 * v, 4) for n, v in self.host.items()},
                             "total": round(1e3 * sum(self.host.values()), 4)},
                 "calls": dict(self.calls),
-                "windows_selected": self.calls["select"], "window_groups": self.calls["fill_rows"],
+                "windows_selected": self.groups["select"], "window_groups": self.groups["fill_rows"],
                 "forward_calls_host": split(self.submits), "engine_steps_wall": split(self.steps)}
 
 
