@@ -307,9 +307,12 @@ def _batch(groups: list[dict], pad: int) -> WindowBatch:
     rows = [r for g in groups for r in range(g["first"], g["first"] + g["rows"])]
     of = [i for i, g in enumerate(groups) for _ in range(g["rows"])]
     ranks = [k for g in groups for k in range(g["rank"], g["rank"] + g["rows"])]
+    moved_of = [i for i, g in enumerate(groups) if g["rank"] == 0 for _ in range(len(g["slots"]) - g["budget"])]
+    moved = [k for g in groups if g["rank"] == 0 for k in range(g["budget"], len(g["slots"]))]
     host = [WindowRows("r", g["first"], g["rows"], slots[i, : len(g["slots"])], g["start"], g["depth"], g["budget"],
                        g["rank"], False) for i, g in enumerate(groups)]
-    return WindowBatch(host, slots, info, torch.tensor(rows), torch.tensor(of), torch.tensor(ranks))
+    return WindowBatch(host, slots, info, torch.tensor(rows), torch.tensor(of), torch.tensor(ranks),
+                       torch.tensor(moved_of, dtype=torch.long), torch.tensor(moved, dtype=torch.long))
 
 
 def _kept(slots: SlotStorage, n: int, depth: int) -> list[int]:
@@ -370,7 +373,7 @@ def test_rows_fill_in_position_order_and_the_rest_inherit():
     n = 6
     slots = _storage(torch.zeros(n, 4), torch.zeros(n, 4), depth=2)
     slots.selected[[4, 1, 5]] = 2
-    kv = PagedKV(1, 9, 4, 1, 2, torch.float32, torch.device("cpu"))  # page 8: the sink
+    kv = PagedKV(2, 8, 4, 1, 2, torch.float32, torch.device("cpu"))
     kv.k.normal_()
     kv.v.normal_()
     before_k = kv.k.clone()
@@ -378,15 +381,20 @@ def test_rows_fill_in_position_order_and_the_rest_inherit():
     wb = _batch([dict(slots=list(range(n)), start=2, depth=2, budget=3, rank=0, first=2, rows=2, table=3,
                       inherited=0)], pad=n)  # positions 2..7, ranks 0..1
     kept = (slots.selected[:n] == 2)[None]
-    sparse_prefill.inherit(kv, wb, kept, tables, 4)
+    order = sparse_prefill.by_rank(kept)
+    assert order.tolist() == [[1, 4, 5, 0, 2, 3]]
+    sparse_prefill.inherit(kv, wb, order, tables, 4)
     src = [tables[0 + p // 4] * 4 + p % 4 for p in range(2, 8)]
     dst = [tables[3 + p // 4] * 4 + p % 4 for p in range(2, 8)]
-    for i in range(n):
-        want = before_k[0, src[i]] if i not in (1, 4, 5) else before_k[0, dst[i]]
-        assert torch.equal(kv.k[0, dst[i]], want)
+    for layer in range(2):
+        for i in range(n):
+            want = before_k[layer, src[i]] if i not in (1, 4, 5) else before_k[layer, dst[i]]
+            assert torch.equal(kv.k[layer, dst[i]], want)
+    untouched = sorted(set(range(32)) - set(int(d) for d in dst))
+    assert torch.equal(kv.k[:, untouched], before_k[:, untouched])
     batch_slots = torch.full((5,), -1)
     lp = type("LP", (), {"token_slots": torch.full((5,), -1), "positions": torch.full((5,), -1)})()
-    sparse_prefill.fill_rows(wb, kept, batch_slots, lp)
+    sparse_prefill.fill_rows(wb, order, batch_slots, lp)
     assert batch_slots.tolist() == [-1, -1, 1, 4, -1] and lp.positions.tolist() == [-1, -1, 3, 6, -1]
     assert lp.token_slots.tolist() == [-1, -1, 1, 4, -1]
 

@@ -83,7 +83,7 @@ def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loop
     uploads a padded row of `window` token slots and its info; a complete group of a full
     window runs at least its budget, so at most rows / budget of them fit a plan, and each
     request and sparse depth may add a short last window and a window split by the budget.
-    Each row the groups run adds three integers."""
+    Each row the groups run adds three integers, each token they leave out two."""
     if not sparse.active:
         return 0
     if sparse.window > num_token_slots:
@@ -92,7 +92,7 @@ def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loop
                           f"max_num_batched_tokens or use a smaller window")
     least = min(sparse.budget(d, sparse.window) for d in range(2, num_loops))
     groups = math.ceil(rows / least) + 2 * max_seqs * (num_loops - 2)
-    return groups * (sparse.window + WINDOW_INFO) + 3 * rows
+    return groups * (3 * sparse.window + WINDOW_INFO) + 3 * rows
 
 
 class EngineCore:

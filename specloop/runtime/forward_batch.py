@@ -174,6 +174,8 @@ class WindowBatch:
     rows: torch.Tensor  # [R] long: batch rows
     row_window: torch.Tensor  # [R] long: the group of each
     row_rank: torch.Tensor  # [R] long: the rank of the kept token each runs
+    moved_window: torch.Tensor  # [M] long: per token a selecting group leaves out, its group
+    moved_rank: torch.Tensor  # [M] long: and its rank (budget .. length - 1: the left-out come after the kept)
 
 
 WINDOW_INFO = 7
@@ -330,12 +332,16 @@ class ForwardBatchBuilder:
         for _, g, own, inherited in windows:
             out += [g.start, len(g.token_slots), g.depth, g.window.budget, int(g.window.first == 0), own, inherited]
         rows, of, ranks = [], [], []
+        moved_of, moved_ranks = [], []
         for i, (row, g, _, _) in enumerate(windows):
             w = g.window
             rows += range(row, row + w.rows)
             of += [i] * w.rows
             ranks += range(w.first, w.first + w.rows)
-        return out + rows + of + ranks
+            if w.first == 0:
+                moved_of += [i] * (len(g.token_slots) - w.budget)
+                moved_ranks += range(w.budget, len(g.token_slots))
+        return out + rows + of + ranks + moved_of + moved_ranks
 
     def _window_views(self, windows: list[tuple[int, RowGroup, int, int]], ints: torch.Tensor,
                       at: int) -> WindowBatch:
@@ -346,10 +352,13 @@ class ForwardBatchBuilder:
         info = ints[at: at + g * WINDOW_INFO].view(g, WINDOW_INFO)
         at += g * WINDOW_INFO
         rows, of, ranks = ints[at: at + r], ints[at + r: at + 2 * r], ints[at + 2 * r: at + 3 * r]
+        at += 3 * r
+        m = sum(len(w.token_slots) - w.window.budget for _, w, _, _ in windows if w.window.first == 0)
+        moved_of, moved_ranks = ints[at: at + m], ints[at + m: at + 2 * m]
         host = [WindowRows(grp.request_id, row, grp.window.rows, slots[i, : len(grp.token_slots)], grp.start,
                            grp.depth, grp.window.budget, grp.window.first, grp.head is not None)
                 for i, (row, grp, _, _) in enumerate(windows)]
-        return WindowBatch(host, slots, info, rows, of, ranks)
+        return WindowBatch(host, slots, info, rows, of, ranks, moved_of, moved_ranks)
 
     def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
                slots: list[int], shapes: list[GroupShape], tiles: list[int],

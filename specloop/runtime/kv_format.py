@@ -44,6 +44,12 @@ class PagedKV:
         """K and V at `slots` (any shape) of one layer: [*slots.shape, Hkv, D]."""
         return self.k[layer, slots], self.v[layer, slots]
 
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots `src` to slots `dst` (distinct): token-sparse
+        prefill's left-out tokens inheriting their previous depth."""
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+
     def inherit(self, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor) -> None:
         """LAST_EXITED: where `mask`, copy every layer's K/V from slot src to slot dst."""
         m = mask[None, :, None, None]

@@ -56,23 +56,25 @@ def select(slots: SlotStorage, wb: WindowBatch, eps: float) -> torch.Tensor:
     return (slots.selected[ws] == d) & valid
 
 
-def inherit(kv: PagedKV, wb: WindowBatch, kept: torch.Tensor, tables: torch.Tensor, page_size: int) -> None:
-    """The tokens a selecting group leaves out expose their previous-depth K/V at its depth."""
-    start, length, _, _, fresh, table, inherited = wb.info.unbind(1)
-    col = torch.arange(wb.slots.shape[1], device=wb.slots.device)
-    move = (fresh[:, None] == 1) & (col[None, :] < length[:, None]) & ~kept
-    positions = start[:, None] + col[None, :]
-    sink = kv.k.shape[1] - 1  # the sink page's last slot: every entry that moves nothing points there
-    src = torch.where(move, kv_slots(tables, inherited[:, None], positions, page_size), sink)
-    dst = torch.where(move, kv_slots(tables, table[:, None], positions, page_size), sink)
-    kv.inherit(src.flatten(), dst.flatten(), move.flatten())
+def by_rank(kept: torch.Tensor) -> torch.Tensor:
+    """[G, W] each group's window indices, kept tokens first, each part in position order."""
+    return torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)
 
 
-def fill_rows(wb: WindowBatch, kept: torch.Tensor, batch_slots: torch.Tensor, lp: LoopPass) -> None:
+def inherit(kv: PagedKV, wb: WindowBatch, order: torch.Tensor, tables: torch.Tensor, page_size: int) -> None:
+    """The tokens a selecting group leaves out (ranks budget .. length - 1 of `order`, listed
+    by the plan) copy their previous-depth K/V into its depth's plane."""
+    index = order[wb.moved_window, wb.moved_rank]
+    positions = wb.info[wb.moved_window, 0] + index
+    src = kv_slots(tables, wb.info[wb.moved_window, 6], positions, page_size)
+    dst = kv_slots(tables, wb.info[wb.moved_window, 5], positions, page_size)
+    kv.copy(src, dst)
+
+
+def fill_rows(wb: WindowBatch, order: torch.Tensor, batch_slots: torch.Tensor, lp: LoopPass) -> None:
     """Write each group's rows, ranks [rank, rank + rows) of its kept tokens in position
     order, into the batch's token slots and the pass's positions and token slots."""
-    by_rank = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)  # kept first, in position order
-    index = by_rank[wb.row_window, wb.row_rank]
+    index = order[wb.row_window, wb.row_rank]
     chosen = wb.slots[wb.row_window, index]
     batch_slots[wb.rows] = chosen
     lp.token_slots[wb.rows] = chosen
@@ -83,9 +85,10 @@ def run(slots: SlotStorage, kv: PagedKV, wb: WindowBatch, batch_slots: torch.Ten
         tables: torch.Tensor, page_size: int, eps: float, probe: Probe | None = None) -> None:
     """Select, inherit and fill in the rows of every sparse prefill group of a call."""
     kept = select(slots, wb, eps)
-    inherit(kv, wb, kept, tables, page_size)
+    order = by_rank(kept)
+    inherit(kv, wb, order, tables, page_size)
     if probe is not None:  # tests only: it reads the masks back
         for g, w in enumerate(wb.windows):
             if w.rank == 0:
                 probe(w, kept[g, : w.window_slots.numel()])
-    fill_rows(wb, kept, batch_slots, lp)
+    fill_rows(wb, order, batch_slots, lp)
