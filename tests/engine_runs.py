@@ -47,3 +47,17 @@ def assert_same(got: Outputs, want: Outputs, tol: float) -> None:
     for rid in want:
         assert got[rid][0] == want[rid][0], rid
         torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(want[rid][1]), atol=tol, rtol=tol)
+
+
+def forbid_syncs(engine: EngineCore) -> None:
+    """Make every submission of `engine` raise on a synchronising CUDA call (sync debug mode)."""
+    submit = engine.executor.submit
+
+    def checked_submit(plan):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return submit(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.executor.submit = checked_submit

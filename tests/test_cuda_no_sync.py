@@ -14,6 +14,7 @@ import torch
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.sampling_params import SamplingParams
+from tests.engine_runs import forbid_syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -23,16 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_submit_does_not_synchronise(tiny_ckpt, spec):
     engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cuda", dtype="float32",
                                                  kv_cache_bytes=64 << 20, max_num_batched_tokens=16, **spec))
-    submit = engine.executor.submit
-
-    def checked_submit(plan):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return submit(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    engine.executor.submit = checked_submit
+    forbid_syncs(engine)
     for i, params in enumerate([SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                 SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]):
         engine.add_request(f"r{i}", list(range(5, 5 + 7 * (i + 1))), params)

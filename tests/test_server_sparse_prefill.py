@@ -8,25 +8,15 @@ import json
 
 import httpx
 import pytest
-import torch
 
-from specloop.llm import LLM
-from specloop.sampling_params import SamplingParams
-from tests.test_server_speculation import PROMPTS, assert_plain_greedy, serve_streams
+from tests.test_server_speculation import assert_plain_greedy, plain_greedy, serve_streams
 
 GROUP = {"window": 4, "retention": [1, 1, 0.25, 0.1]}
 
 
 @pytest.fixture(scope="module")
 def expected_sparse():
-    llm = LLM(device="cpu", dtype="float64", token_sparse_prefill=GROUP)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    finally:
-        torch.set_num_threads(threads)
-    return [o.token_ids for o in outs]
+    return plain_greedy(token_sparse_prefill=GROUP)
 
 
 async def test_streams_with_token_sparse_prefill(expected_sparse):

@@ -18,9 +18,9 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(s
            "    return self._", "x = [", "# Copyright", "def main():\n    parser = argparse."]
 
 
-@pytest.fixture(scope="module")
-def expected():
-    llm = LLM(device="cpu", dtype="float64")
+def plain_greedy(**engine_options) -> list[list[int]]:
+    """The shipped model's 16 greedy tokens for each of PROMPTS, in process (fp64, one thread)."""
+    llm = LLM(device="cpu", dtype="float64", **engine_options)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -28,6 +28,11 @@ def expected():
     finally:
         torch.set_num_threads(threads)
     return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return plain_greedy()
 
 
 async def serve_streams(args: list[str], after=None) -> tuple[list[list], str]:

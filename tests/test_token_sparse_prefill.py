@@ -29,6 +29,7 @@ from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from tests.conftest import weights_of
+from tests.engine_runs import forbid_syncs
 
 MAX_TOKENS = 5
 _g = torch.Generator().manual_seed(0)
@@ -479,16 +480,7 @@ def test_graphs_replay_window_rows(tiny_ckpt, refs):
 def test_selection_does_not_synchronise(tiny_ckpt):
     window, retention = CASES["w8"]
     engine = _engine(tiny_ckpt, window, retention, device="cuda", max_num_batched_tokens=16)
-    submit = engine.executor.submit
-
-    def checked(plan):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return submit(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    engine.executor.submit = checked
+    forbid_syncs(engine)
     got = _run(engine, PROMPTS)
     assert all(len(t) == MAX_TOKENS for t, _ in got.values()) and engine.scheduler.prefill_rows_skipped > 0
 
