@@ -108,6 +108,7 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
                              "tokens per selection window) and retention (per loop); '{}' switches it on with "
                              "the defaults"),
 }
+JSON_OPTIONS = ("token_sparse_prefill",)  # FlashLoop groups: a JSON object each
 # What an unset option means where EngineConfig's default is None (no value to show).
 UNSET_MEANS = {
     "num_kv_pages": "from --kv-cache-bytes, else --gpu-memory-utilization on CUDA, a fixed budget on CPU",
@@ -150,7 +151,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                            help=engine_option_help(name))
             continue
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, default=None,
-                       help=engine_option_help(name))
+                       metavar="JSON" if name in JSON_OPTIONS else None, help=engine_option_help(name))
 
 
 def engine_options(args: argparse.Namespace) -> dict:
