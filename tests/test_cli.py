@@ -213,3 +213,17 @@ def test_engine_death_stops_the_server_with_exit_1(tiny_ckpt):
     finally:
         srv.kill()
     assert "the engine failed (RuntimeError: injected forward failure)" in srv.output, srv.output
+
+
+@pytest.mark.parametrize("value, message", [("{bad", "must be a JSON object"),
+                                            ('{"retention": [1, 1, 0.5]}', "retention has 3 values")])
+def test_a_bad_flashloop_group_is_one_error_line(tiny_ckpt, capsys, value, message):
+    assert main(["generate", str(tiny_ckpt), "--prompt", "x", "--device", "cpu",
+                 "--token-sparse-prefill", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_generate_with_token_sparse_prefill(tiny_ckpt, capsys):
+    assert main(["generate", str(tiny_ckpt), "--prompt", "a long enough prompt for two windows", "--max-tokens", "3",
+                 "--device", "cpu", "--token-sparse-prefill", '{"window": 4}']) == 0
