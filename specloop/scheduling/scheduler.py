@@ -360,6 +360,11 @@ class Scheduler:
         otherwise (prompt chunks move through the depths as a wavefront)."""
         if not self.multi_loop or rows != 1 or budget < self.num_loops:
             return 1
+        prompt = len(req.prompt_ids)
+        if self.windows is not None and start < prompt:  # a window with a sparse loop waits for all its tokens
+            w_start, w_end = self.windows.bounds(start, prompt)
+            if any(self.windows.sparse(d, w_end - w_start) for d in range(self.num_loops)):
+                return 1
         key = req.kv_key
         if all(self.kv.frontier(key, d) == start for d in range(1, self.num_loops)):
             return self.num_loops
