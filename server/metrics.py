@@ -158,7 +158,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("specloop_num_preemptions", "Running requests preempted (KV pages ran out).",
                                   s.num_preemptions)
         yield CounterMetricFamily("specloop_prefill_rows_skipped", "Prompt token-loops that token-sparse prefill "
-                                  "left out (the token kept its previous state).", s.prefill_rows_skipped)
+                                  "planned to leave out (the token keeps its previous state).",
+                                  s.prefill_rows_skipped)
         yield CounterMetricFamily("specloop_spec_decode_num_drafts", "Speculation rounds committed.", s.num_drafts)
         yield CounterMetricFamily("specloop_spec_decode_num_draft_tokens", "Draft tokens proposed.",
                                   s.num_draft_tokens)

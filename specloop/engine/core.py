@@ -74,7 +74,8 @@ class EngineStats:
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()  # rounds whose candidate i was accepted
     num_preemptions: int = 0  # running requests preempted so far (they resume by recompute)
-    prefill_rows_skipped: int = 0  # prompt token-loops token-sparse prefill left out (planned so far)
+    prefill_rows_skipped: int = 0  # prompt token-loops token-sparse prefill planned to leave out (a recomputed
+    # window counts again)
     token_sparse_prefill: dict[str, Any] = dataclasses.field(default_factory=dict)  # the effective group
 
 

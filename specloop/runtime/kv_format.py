@@ -44,11 +44,15 @@ class PagedKV:
         """K and V at `slots` (any shape) of one layer: [*slots.shape, Hkv, D]."""
         return self.k[layer, slots], self.v[layer, slots]
 
+    COPY_CHUNK = 2048  # slots per copy: bounds the temporary ([L, chunk, Hkv, D] each for K and V)
+
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V from slots `src` to slots `dst` (distinct): token-sparse
-        prefill's left-out tokens inheriting their previous depth."""
-        self.k.index_copy_(1, dst, self.k.index_select(1, src))
-        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+        """Copy every layer's K/V from slots `src` to slots `dst` (distinct from every src):
+        token-sparse prefill's left-out tokens inheriting their previous depth."""
+        for at in range(0, src.numel(), self.COPY_CHUNK):
+            s, d = src[at: at + self.COPY_CHUNK], dst[at: at + self.COPY_CHUNK]
+            self.k.index_copy_(1, d, self.k.index_select(1, s))
+            self.v.index_copy_(1, d, self.v.index_select(1, s))
 
     def inherit(self, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor) -> None:
         """LAST_EXITED: where `mask`, copy every layer's K/V from slot src to slot dst."""

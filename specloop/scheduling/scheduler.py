@@ -117,7 +117,7 @@ class Scheduler:
         self.reserve_max_tokens = False
         self.watermark_pages = max(kv.num_planes, kv.num_pages // 100)  # kept free at admission while others run
         self.num_preemptions = 0
-        self.prefill_rows_skipped = 0  # prompt token-loops left out by token-sparse prefill
+        self.prefill_rows_skipped = 0  # prompt token-loops token-sparse prefill planned to leave out
         self._returning = 0  # pages of preempted requests whose release waits for a ticket
         self.preemption_mode = preemption_mode
         # Swap preemption's device half, set by the engine: snapshot a quiet request to host
@@ -312,8 +312,11 @@ class Scheduler:
             budget -= sum(g.cost for g in planned)
         # Single-token decodes before prompt chunks; each entering row needs a token slot.
         entries.sort(key=lambda e: (e[2] > 1, e[0].arrival))
+        new_windows = True  # until an older prompt waits for a window's slots: then nobody younger starts one
         for req, start, rows in entries:
-            take = self._entry_rows(req, start, min(budget, rows))
+            take = self._entry_rows(req, start, min(budget, rows), new_windows)
+            if take < min(budget, rows) and self.windows is not None and budget > 0:
+                new_windows = False
             if take > 0:
                 loops = self._entry_loops(req, start, take, budget)
                 builder = _PlanBuilder(self, release, entries)
@@ -332,11 +335,13 @@ class Scheduler:
             self._defer(lambda: self.token_slots.release(release))
         return plan
 
-    def _entry_rows(self, req: Request, start: int, rows: int) -> int:
+    def _entry_rows(self, req: Request, start: int, rows: int, new_windows: bool = True) -> int:
         """How many of `rows` positions from `start` can enter depth 0 now: each needs a token
         slot. With token-sparse prefill a prompt window takes the slots of all its tokens
         when its first one enters (all or nothing): its tokens wait for each other before
-        the sparse loops, so a window entered half-way could hold slots no one can free."""
+        the sparse loops, so a window entered half-way could hold slots no one can free.
+        `new_windows` False: only windows whose slots are taken already (an older request
+        waits for the slots of its next one, and younger ones must not take them first)."""
         if self.windows is None:
             return min(rows, self.token_slots.num_free)
         prompt = len(req.prompt_ids)
@@ -344,7 +349,7 @@ class Scheduler:
         while pos < min(end, prompt):
             w_start, w_end = self.windows.bounds(pos, prompt)
             if pos not in req.token_slots:  # the window's first token: take them all
-                slots = self.token_slots.take(w_end - w_start)
+                slots = self.token_slots.take(w_end - w_start) if new_windows else None
                 if slots is None:
                     return pos - start
                 req.token_slots.update(zip(range(w_start, w_end), slots))
