@@ -1,4 +1,5 @@
-"""The configurations of the chaos runs: one per speculation mode, drawn from the mode's seed.
+"""The configurations of the chaos runs: one per speculation mode, drawn from the mode's seed;
+some of them with token-sparse prefill on.
 
 The preemption policy of a run comes from the engine's own list (`PREEMPTION_MODES`), so
 every policy the engine offers is covered without editing the suite: the runs take them in
@@ -8,6 +9,7 @@ turn across modes (`policy`), and each test file starts the turn at another poli
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from typing import Any
 
@@ -22,6 +24,9 @@ TINY_POSITIONS = 32  # per plane of the KV pool: short prompts that outgrow it t
 TINY_GREEDY_MAX_TOKENS = (2, 4, 8, 12, 16)
 TINY_SAMPLED_MAX_TOKENS = (4, 8)
 TINY_SEEDS = {mode: 1300 + i for i, mode in enumerate(MODES)}
+# Modes whose runs also prefill with FlashLoop token-sparse prefill (windows of 2-4 tokens, so
+# the 1-8 token prompts have sparse windows, split ones included, under every hazard).
+SPARSE_PREFILL_MODES = ("plain", "exit", "block-d1", "pipeline-d1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the tiny runs go through the GPU path where there is one
 
 
@@ -51,4 +56,6 @@ def tiny_run(mode: str, turn: int, seed: int | None = None) -> TinyRun:
     options = dict(device=DEVICE, dtype="float32", block_size=block_size,
                    num_kv_pages=4 * TINY_POSITIONS // block_size, max_num_seqs=12, max_num_batched_tokens=48,
                    max_inflight_tickets=rng.choice([1, 2, 3]), preemption_mode=policy(mode, turn), **MODES[mode])
+    if mode in SPARSE_PREFILL_MODES:
+        options["token_sparse_prefill"] = json.dumps({"window": rng.choice([2, 3, 4]), "retention": [1, 1, 0.5, 0.25]})
     return TinyRun(mode, seed, options, random_prompts(seed, 12, TINY_VOCAB, (1, 8)))
