@@ -39,7 +39,7 @@ from specloop.assets import default_model_path
 from specloop.engine.async_engine import AsyncEngine
 from specloop.engine.config import EngineConfig
 from tests.chaos.oracle import FINAL, EngineWatch, Outcome, SoloRuns, assert_clean, check_outcome, wait_idle
-from tests.chaos.runs import policy
+from tests.chaos.runs import SPARSE_PREFILL_MODES, policy
 from tests.chaos.schedule import TEMPERATURE, TOP_P, Spec, make_schedule, random_prompts
 from tests.engine_runs import MODES
 
@@ -60,9 +60,12 @@ GAUGES = ("specloop_num_requests_running", "specloop_num_requests_waiting", "spe
 
 
 def _options(mode: str, rng: random.Random) -> dict:
-    return dict(device="cpu", dtype="float32", block_size=2, num_kv_pages=4 * POSITIONS // 2, max_num_seqs=12,
-                max_num_batched_tokens=48, max_inflight_tickets=rng.choice([1, 2, 3]),
-                preemption_mode=policy(mode, turn=1), **MODES[mode])
+    options = dict(device="cpu", dtype="float32", block_size=2, num_kv_pages=4 * POSITIONS // 2, max_num_seqs=12,
+                   max_num_batched_tokens=48, max_inflight_tickets=rng.choice([1, 2, 3]),
+                   preemption_mode=policy(mode, turn=1), **MODES[mode])
+    if mode in SPARSE_PREFILL_MODES:  # the prompts are 1-8 tokens of text: windows of 2-4 have sparse loops
+        options["token_sparse_prefill"] = json.dumps({"window": rng.choice([2, 3, 4]), "retention": [1, 1, 0.5, 0.25]})
+    return options
 
 
 class _Server(uvicorn.Server):
