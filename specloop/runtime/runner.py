@@ -22,7 +22,6 @@ On CPU the same code simply runs synchronously.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
@@ -31,7 +30,7 @@ from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.runtime import sparse_prefill
 from specloop.runtime.attention import AttentionBackend, Bound
-from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, WindowRows
+from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
 from specloop.runtime.slot_storage import SlotStorage
@@ -76,7 +75,7 @@ class Runner:
         self.context = HeadContext(model, self.next_token, engine_seed)
         self._pin = self.device.type == "cuda"
         # Tests only: called with (window rows, the window's kept mask) after each selection.
-        self.window_probe: Callable[[WindowRows, torch.Tensor], None] | None = None
+        self.window_probe: sparse_prefill.Probe | None = None
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> TicketOutput:

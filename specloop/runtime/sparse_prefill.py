@@ -64,21 +64,22 @@ def by_rank(kept: torch.Tensor) -> torch.Tensor:
 def inherit(kv: PagedKV, wb: WindowBatch, order: torch.Tensor, tables: torch.Tensor, page_size: int) -> None:
     """The tokens a selecting group leaves out (ranks budget .. length - 1 of `order`, listed
     by the plan) copy their previous-depth K/V into its depth's plane."""
-    index = order[wb.moved_window, wb.moved_rank]
-    positions = wb.info[wb.moved_window, 0] + index
-    src = kv_slots(tables, wb.info[wb.moved_window, 6], positions, page_size)
-    dst = kv_slots(tables, wb.info[wb.moved_window, 5], positions, page_size)
-    kv.copy(src, dst)
+    start, _, _, _, _, table, inherited = wb.info.unbind(1)
+    of = wb.moved_window
+    positions = start[of] + order[of, wb.moved_rank]
+    kv.copy(kv_slots(tables, inherited[of], positions, page_size), kv_slots(tables, table[of], positions, page_size))
 
 
 def fill_rows(wb: WindowBatch, order: torch.Tensor, batch_slots: torch.Tensor, lp: LoopPass) -> None:
     """Write each group's rows, ranks [rank, rank + rows) of its kept tokens in position
     order, into the batch's token slots and the pass's positions and token slots."""
-    index = order[wb.row_window, wb.row_rank]
-    chosen = wb.slots[wb.row_window, index]
+    start, *_ = wb.info.unbind(1)
+    of = wb.row_window
+    index = order[of, wb.row_rank]
+    chosen = wb.slots[of, index]
     batch_slots[wb.rows] = chosen
     lp.token_slots[wb.rows] = chosen
-    lp.positions[wb.rows] = wb.info[wb.row_window, 0] + index
+    lp.positions[wb.rows] = start[of] + index
 
 
 def run(slots: SlotStorage, kv: PagedKV, wb: WindowBatch, batch_slots: torch.Tensor, lp: LoopPass,
