@@ -422,26 +422,36 @@ def test_sparse_decode_skips_tokens_that_exit_early(gqa):
 
 # --- KV residuals -----------------------------------------------------------------------
 
-def test_constant_group_reconstructs_exactly():
-    x = torch.full((16,), 0.1234567, dtype=torch.float32)  # not an fp16 value
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("value", [0.0, -1.5, 300.5, 2.0**-20, 61440.0])
+def test_constant_group_of_an_fp16_value_reconstructs_exactly(dtype, value):
+    """Scale 1, codes 0, lo the value: no division by zero, and the value back exactly
+    (0.0: residuals a loop left unchanged; 2^-20: an fp16 subnormal)."""
+    x = torch.full((16,), value, dtype=dtype)
     groups = quantize(x, 0, bits=4)
     assert groups.constant.all() and groups.scale.item() == 1.0 and (groups.codes == 0).all()
-    assert torch.equal(fake_quantize_group(x), x)
-    x64 = torch.full((3, 5), 1.0 + 1e-12, dtype=torch.float64)
-    assert torch.equal(fake_quantize_group(x64), x64)
-    x16 = torch.full((8,), 300.5, dtype=torch.bfloat16)
-    assert torch.equal(fake_quantize_group(x16), x16) and fake_quantize_group(x16).dtype == torch.bfloat16
+    assert torch.equal(fake_quantize_group(x), x) and fake_quantize_group(x).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.float32, 0.1234567), (torch.bfloat16, 1e-6), (torch.float64, 1 + 1e-12)])
+def test_constant_group_of_another_value_rounds_to_fp16(dtype, value):
+    """A value fp16 cannot hold decodes to its fp16 rounding, as every group's minimum
+    does: the format stores FP16 parameters and nothing wider."""
+    x = torch.full((16,), value, dtype=dtype)
+    got = fake_quantize_group(x)
+    assert not torch.equal(got, x)
+    assert torch.equal(got, x.half().to(dtype))
 
 
 def test_metadata_is_fp16_and_codes_use_rounded_metadata():
     x = torch.randn(64, generator=torch.Generator().manual_seed(12)) * 3 + 0.3
     groups = quantize(x, 0, bits=4)
-    assert groups.scale.dtype == torch.float16 and groups.codes.dtype == torch.uint8
-    assert torch.equal(groups.lo, groups.lo.half().float())
+    assert groups.scale.dtype == groups.lo.dtype == torch.float16 and groups.codes.dtype == torch.uint8
+    assert torch.equal(groups.lo.float(), x.min().half().float().view(1))
     assert torch.equal(groups.scale.float(), ((x.max() - x.min()) / 15).half().float().view(1))
-    codes = ((x - groups.lo) / groups.scale.float()).round().clamp(0, 15)
+    codes = ((x - groups.lo.float()) / groups.scale.float()).round().clamp(0, 15)
     assert torch.equal(groups.codes.float(), codes) and int(groups.codes.max()) <= 15
-    assert torch.equal(dequantize(groups), groups.lo + groups.scale.float() * groups.codes.float())
+    assert torch.equal(dequantize(groups), groups.lo.float() + groups.scale.float() * groups.codes.float())
 
 
 def test_error_per_encode_step_is_bounded():

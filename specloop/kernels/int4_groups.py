@@ -6,10 +6,9 @@
     v = dequantize_v_groups(vg, dtype)    # -> [N, Hkv, D]
     groups, valid = split_k_plane(plane)  # a plane [T, Hkv, D] as K groups (the last one short)
 
-Groundwork: nothing in the runtime uses it yet. The arithmetic is the FlashLoop
-reference's fake quantization (`specloop.model.flashloop_reference.quantize` and
-`dequantize`, 4 bits, group 64), reproduced bit for bit except for the constant-group
-point below:
+The arithmetic is the FlashLoop reference's fake quantization
+(`specloop.model.flashloop_reference.quantize` and `dequantize`, 4 bits, group 64),
+reproduced bit for bit:
 
 - lo, hi = min and max over the group's valid elements (fp32);
 - scale16 = fp16((hi - lo) / 15), at least 2^-24 (the smallest fp16 subnormal, so a spread
@@ -40,19 +39,11 @@ nibble: byte = code[2i] | code[2i + 1] << 4):
   fp16 [N, Hkv, ceil(D / 64)]. A (token, head) V row is D / 2 contiguous bytes followed by
   its group metadata, one (scale, lo) per 32 bytes.
 
-Open design point for the INT4 issue: the reference keeps a constant group's value
-LOSSLESSLY (its `lo` is held in fp32), while this format stores FP16 scale and minimum as
-the issue asks. The two agree whenever the value is fp16-representable: 0.0 (the common
-case: residuals of values a loop left unchanged), every bf16 value with 2^-14 <= |x| <=
-65504 and every fp16 value. Otherwise the codec decodes fp16(value), rounded to nearest
-even: fp32 0.1 -> 0.0999755859375, bf16 1e-6 -> the nearest fp16 subnormal, |x| >= 65520
--> +-inf (non-constant groups overflow there in the reference as well). Also -0.0 decodes
-as +0.0 (lo16 + 1 * 0), equal by value. Constant groups are not rare: a K group with one
-valid row (a plane's short last group) is constant in every channel, so an fp32 plane
-differs there for most values, a bf16 one only outside fp16's range. Keeping the reference's exactness would need a wider
-minimum (bf16 beside fp16, or fp32) or a constant flag with its own value; or the reference
-could round constants to fp16 as well. `tests/test_kernels_int4_groups.py` pins the
-difference down.
+Constant groups decode to fp16(value) in the reference too (decided for the INT4 issue:
+FP16 parameters and nothing wider). That is the value itself for 0.0 (the common case:
+residuals of values a loop left unchanged) and every bf16 value with 2^-14 <= |x| <= 65504;
+otherwise rounded to nearest even (fp32 0.1 -> 0.0999755859375, bf16 1e-6 -> the nearest
+fp16 subnormal, |x| >= 65520 -> +-inf); -0.0 decodes as +0.0 (lo16 + 1 * 0).
 
 Only 4 bits (two codes per byte). Inputs fp32, bf16 or fp16 and finite; the last dim must be
 contiguous. The dispatchers run Triton on CUDA tensors (or on CPU under `TRITON_INTERPRET=1`

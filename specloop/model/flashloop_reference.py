@@ -33,9 +33,11 @@ X^1 = D(Q(X1)); at r >= 2 only tokens that computed K/V at loop r have a residua
 X^r = X^(r-1) + D(Q(Xr - X^(r-1))); the others inherit X^(r-1) (absent is not code 0).
 Affine groups (`quantize`): scale and min rounded to fp16 first, codes computed with the
 rounded values in fp32, round half to even, clamp to [0, 2^bits - 1]. A constant group
-stores scale 1 and codes 0 and reconstructs exactly: its value is kept losslessly (the
-reference keeps it at full precision; a format must store it so that it round-trips --
-a bf16 value is exact in fp16 when it is 0 or 2^-14 <= |x| <= 65504). K groups are per channel
+(every element equal) stores scale 1 and codes 0 and decodes to its fp16 minimum: exactly
+its value whenever fp16 holds it (0 -- residuals of values a loop left unchanged -- and
+every bf16 value with 2^-14 <= |x| <= 65504), rounded to fp16 like every group's minimum
+otherwise (the RFC's FP16 parameters: a packed format stores no wider value; -0.0 decodes
+as +0.0). K groups are per channel
 over `group_size` consecutive rows of a plane (plane 1: all tokens; plane r >= 2: the
 compact rows, i.e. the tokens with a residual row, in position order); V groups are per
 row over `group_size` consecutive channels of one head. Short groups take statistics over
@@ -272,8 +274,8 @@ def corrected_attention(o_ref: torch.Tensor, c_ref: torch.Tensor, mass: torch.Te
 @dataclasses.dataclass
 class QuantizedGroups:
     """Affine groups along one dim (kept as size 1 in lo / scale / constant).
-    codes: uint8 like x; scale: fp16; lo: the fp16-rounded minimum, or a constant group's
-    exact value, held in promote(dtype, fp32) so both are exact; dtype: x's dtype."""
+    codes: uint8 like x; scale, lo: fp16 (lo the rounded minimum); constant: every element
+    of the group equal (scale 1, codes 0); dtype: x's dtype."""
 
     codes: torch.Tensor
     lo: torch.Tensor
@@ -285,25 +287,21 @@ class QuantizedGroups:
 def quantize(x: torch.Tensor, dim: int, bits: int) -> QuantizedGroups:
     """Quantize each slice of x along `dim` as one group (every element valid)."""
     levels = 2**bits - 1
-    wide = torch.promote_types(x.dtype, torch.float32)
     x32 = x.float()
     lo, hi = x32.amin(dim, keepdim=True), x32.amax(dim, keepdim=True)
-    exact_lo = x.amin(dim, keepdim=True)
-    constant = (x == exact_lo).all(dim, keepdim=True)  # in x's own dtype
+    constant = (x == x.amin(dim, keepdim=True)).all(dim, keepdim=True)  # in x's own dtype
     lo16 = lo.half()
     # The smallest fp16 subnormal keeps a group whose spread underflows fp16 from dividing by 0.
     scale16 = ((hi - lo) / levels).half().clamp_min(2.0**-24)
     scale16 = torch.where(constant, torch.ones_like(scale16), scale16)
     codes = ((x32 - lo16.float()) / scale16.float()).round().clamp(0, levels)  # half to even
     codes = torch.where(constant, torch.zeros_like(codes), codes).to(torch.uint8)
-    lo_kept = torch.where(constant, exact_lo.to(wide), lo16.to(wide))
-    return QuantizedGroups(codes, lo_kept, scale16, constant, x.dtype)
+    return QuantizedGroups(codes, lo16, scale16, constant, x.dtype)
 
 
 def dequantize(groups: QuantizedGroups) -> torch.Tensor:
-    """lo + scale * code in fp32, in the original dtype; constant groups give their value."""
-    decoded = groups.lo.float() + groups.scale.float() * groups.codes.float()
-    return torch.where(groups.constant, groups.lo, decoded.to(groups.lo.dtype)).to(groups.dtype)
+    """lo + scale * code in fp32, rounded once to the original dtype (a constant group: lo)."""
+    return (groups.lo.float() + groups.scale.float() * groups.codes.float()).to(groups.dtype)
 
 
 def fake_quantize_group(x: torch.Tensor, bits: int = 4) -> torch.Tensor:
