@@ -2,8 +2,8 @@
 default, each parsed from a dict or a JSON object (the CLI's `--token-sparse-prefill JSON`)
 and validated once at start-up with one clear line per problem.
 
-Only `token_sparse_prefill` exists so far; `sparse_decode_attention` and
-`kv_residual_quantization` join it as their issues land.
+`token_sparse_prefill` and `kv_residual_quantization` exist so far;
+`sparse_decode_attention` joins them with its issue.
 """
 
 from __future__ import annotations
@@ -83,6 +83,48 @@ class TokenSparsePrefill:
         """Tokens a window of `length` keeps at 0-based `depth`: max(1, ceil(length * retention)),
         with the retention read as the decimal it was written as (0.1 is 1/10, exactly)."""
         return max(1, math.ceil(Fraction(repr(self.retention[depth])) * length))
+
+
+RESIDUAL_POLICIES = ("serial", "execution")
+RESIDUAL_BITS = 4  # two codes a byte: the only width the codec packs
+RESIDUAL_GROUP = 64  # rows of a K group, channels of a V group: the codec's and the kernels' tile
+
+
+@dataclasses.dataclass(frozen=True)
+class KVResidualQuantization:
+    """INT4 cross-loop KV residuals: plane 1 stored as an INT4 base, each later plane as an
+    INT4 residual against the reconstruction before it, in affine groups of `group_size`
+    with FP16 scale and minimum. A group of plane 1 seals `tail` positions after its last
+    token (so the recent BF16 tail holds tail to tail + group_size - 1 tokens); before its
+    seal a query reads the exact values. `policy` "serial": what a query reads depends only
+    on its position (rounds, pipelines and chunked prefill read what serial decoding reads);
+    "execution": seals at safe points of the actual execution (not implemented yet)."""
+
+    enabled: bool = False
+    bits: int = RESIDUAL_BITS
+    group_size: int = RESIDUAL_GROUP
+    tail: int = 64
+    policy: str = "serial"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"kv_residual_quantization.enabled must be true or false, got {self.enabled!r}")
+        if self.bits != RESIDUAL_BITS or isinstance(self.bits, bool):
+            raise ConfigError(f"kv_residual_quantization.bits must be {RESIDUAL_BITS} (the packed format holds two "
+                              f"codes a byte), got {self.bits!r}")
+        if self.group_size != RESIDUAL_GROUP or isinstance(self.group_size, bool):
+            raise ConfigError(f"kv_residual_quantization.group_size must be {RESIDUAL_GROUP} (the kernels' tile), "
+                              f"got {self.group_size!r}")
+        if not isinstance(self.tail, int) or isinstance(self.tail, bool) or self.tail < 1:
+            raise ConfigError(f"kv_residual_quantization.tail must be a positive integer (tokens), got {self.tail!r}")
+        if self.policy not in RESIDUAL_POLICIES:
+            raise ConfigError(f"kv_residual_quantization.policy must be one of {', '.join(RESIDUAL_POLICIES)}, "
+                              f"got {self.policy!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "KVResidualQuantization":
+        """From None (off), a dict, a JSON object string, or an instance; `{}` is on with the defaults."""
+        return _parse_group(cls, "kv_residual_quantization", value)
 
 
 def _parse_group(cls: type, name: str, value: Any) -> Any:

@@ -1,0 +1,258 @@
+"""INT4 cross-loop KV residuals: packed group records, compact row maps and seals, on the device.
+
+The packed half of the `int4-residual` KV format (the BF16 pages of `kv_format.PagedKV`
+stay as the exact tail). For X in {K after RoPE, V} and every layer, plane 1 (0-based
+plane 0) holds an INT4 base of X1 and plane p > 0 an INT4 residual of Xp against the
+reconstruction of plane p - 1 (`specloop.kernels.int4_groups`, FP16 scale and minimum):
+
+    X^0 = D(Q(X0)),  X^p = X^(p-1) + D(Q(Xp - X^(p-1)))   (in the model dtype)
+
+Rows. A plane holds rows only for the tokens that computed K/V at that depth: every token
+at plane 0, at deeper planes only the tokens token-sparse prefill kept and that had not
+exited. `row_maps[cell, plane, position]` is a token's compact row in the plane, -1 when it
+has none (an absent row means the token inherits its previous depth; it is never code 0).
+Rows are appended in position order, so rows are nested across planes and compact row r of
+a plane sits at the r-th position with a row.
+
+Groups. Compact rows 64g..64g+63 of one plane of one request are group g, stored in one
+*record* of the pool (every layer's K codes, K parameters, V codes and V parameters, plus
+each row's position and the group's seal); `group_tables[cell, plane, g]` names it. K is
+grouped per channel over the group's 64 rows, V per row over 64 channels.
+
+Seals (the serial policy). A group seals at max(position of its last row + tail, the seal
+of the group holding its last row at the plane before): a query at position q reads a key
+reconstructed iff q >= the seal of the group holding the key's deepest row at a plane <=
+the query's depth (exact from the BF16 tail otherwise). That depends only on positions,
+so chunked prefill, rounds and pipelines read what serial decoding reads; it is the
+FlashLoop reference's rule (`flashloop_reference.seal_positions`). A group is *encoded*
+(its record written and its seal set) once it is full, its rows are committed and the
+group its last row's predecessor lives in is encoded; until then its seal is NEVER.
+Encoding happens inside a forward call, per layer, after the layer's K/V write and before
+its attention, so a prompt chunk's later queries read groups sealed earlier in the chunk.
+
+Everything here runs on the device without reading a value back: the host names candidate
+groups (a superset of what may become ready; `EncodePlan`), the device decides which are
+ready, and not-ready candidates write into a sink record nobody reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specloop.kernels import int4_groups
+from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
+
+NEVER = 2**31 - 1  # seal of a group no query reads reconstructed (not encoded yet)
+
+
+@dataclasses.dataclass
+class EncodePlan:
+    """The candidate groups of one pass, per plane: `cells`, `groups` (compact group index)
+    and `table_offsets` (where the candidate's plane page table starts in the call's tables)
+    [M_p] long; after `plan_encode`, `ready` [M_p] bool and `records` [M_p] long (the sink
+    where not ready) and `positions` [M_p, 64] long (0 where not ready)."""
+
+    cells: list[torch.Tensor]
+    groups: list[torch.Tensor]
+    table_offsets: list[torch.Tensor]
+    ready: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    records: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class PackedResiduals:
+    """The device state of the packed planes: a pool of group records and per-cell maps."""
+
+    def __init__(self, num_layers: int, num_records: int, num_cells: int, num_planes: int, max_len: int,
+                 num_kv_heads: int, head_dim: int, tail: int, dtype: torch.dtype, device: torch.device) -> None:
+        assert head_dim % 2 == 0, "V codes pack two channels a byte"
+        n = num_records + 1  # record `num_records` is the sink: not-ready candidates write there
+        vg = -(-head_dim // GROUP)
+        u8, f16, i32 = torch.uint8, torch.float16, torch.int32
+        self.k_codes = torch.zeros(num_layers, n, GROUP // 2, num_kv_heads, head_dim, dtype=u8, device=device)
+        self.k_scale = torch.ones(num_layers, n, num_kv_heads, head_dim, dtype=f16, device=device)
+        self.k_lo = torch.zeros(num_layers, n, num_kv_heads, head_dim, dtype=f16, device=device)
+        self.v_codes = torch.zeros(num_layers, n * GROUP, num_kv_heads, head_dim // 2, dtype=u8, device=device)
+        self.v_scale = torch.ones(num_layers, n * GROUP, num_kv_heads, vg, dtype=f16, device=device)
+        self.v_lo = torch.zeros(num_layers, n * GROUP, num_kv_heads, vg, dtype=f16, device=device)
+        self.seal = torch.full((n,), NEVER, dtype=i32, device=device)
+        self.row_pos = torch.zeros(n, GROUP, dtype=i32, device=device)
+        max_groups = -(-max_len // GROUP)
+        self.group_tables = torch.full((num_cells, num_planes, max_groups), num_records, dtype=i32, device=device)
+        self.row_maps = torch.full((num_cells, num_planes, max_len), -1, dtype=i32, device=device)
+        self.rows = torch.zeros(num_cells, num_planes, dtype=torch.long, device=device)
+        self.encoded = torch.zeros(num_cells, num_planes, dtype=torch.long, device=device)
+        self.sink = num_records
+        self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
+
+    # --- cost ---------------------------------------------------------------------------
+
+    @staticmethod
+    def record_bytes(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """One record: 64 rows of one plane at every layer (codes and FP16 parameters of K and
+        V), the rows' positions and the seal."""
+        per_layer = (GROUP // 2) * num_kv_heads * head_dim * 2  # K and V codes, two a byte
+        per_layer += 2 * 2 * num_kv_heads * head_dim  # K scale and lo per channel
+        per_layer += GROUP * num_kv_heads * -(-head_dim // GROUP) * 2 * 2  # V scale and lo per row group
+        return num_layers * per_layer + 4 * GROUP + 4
+
+    @staticmethod
+    def cell_bytes(num_planes: int, max_len: int) -> int:
+        """One request cell's maps, group tables and counters."""
+        return num_planes * (4 * max_len + 4 * -(-max_len // GROUP) + 16)
+
+    # --- request lifecycle --------------------------------------------------------------
+
+    def reset(self, cells: torch.Tensor) -> None:
+        """A fresh request in `cells` [n] long: no rows, nothing encoded, no records."""
+        self.row_maps[cells] = -1
+        self.rows[cells] = 0
+        self.encoded[cells] = 0
+        self.group_tables[cells] = self.sink
+
+    def assign(self, cell: int, plane: int, first_group: int, records: torch.Tensor) -> None:
+        """Records for groups [first_group, first_group + n) of one plane of one cell; the
+        records' seals reset to NEVER (a recycled record keeps none of its past)."""
+        n = records.numel()
+        self.group_tables[cell, plane, first_group: first_group + n] = records.to(torch.int32)
+        self.seal[records.long()] = NEVER
+
+    # --- rows ---------------------------------------------------------------------------
+
+    def append(self, cells: torch.Tensor, depths: torch.Tensor, positions: torch.Tensor,
+               active: torch.Tensor) -> None:
+        """A pass's rows [N] at plane `depths` (0-based): those `active` (they computed and
+        wrote K/V: not exited, not left out) get the next compact rows of their (cell,
+        plane), in position order. Every active row's group must have a record."""
+        if cells.numel() == 0:
+            return
+        planes = self.num_planes
+        segment = cells * planes + depths
+        order = torch.argsort(segment * self.max_len + positions)
+        seg, act = segment[order], active[order].long()
+        pos, cell, plane = positions[order], cells[order], depths[order]
+        before = act.cumsum(0) - act  # active rows before each row in the call
+        first = torch.ones_like(seg, dtype=torch.bool)
+        first[1:] = seg[1:] != seg[:-1]
+        base = torch.where(first, before, torch.zeros_like(before)).cummax(0).values
+        compact = self.rows[cell, plane] + before - base
+        keep = act.bool()
+        row = torch.where(keep, compact, torch.full_like(compact, -1))
+        # an inactive row writes its own map entry back unchanged
+        old = self.row_maps[cell, plane, pos]
+        self.row_maps[cell, plane, pos] = torch.where(keep, row, old.long()).to(torch.int32)
+        record = self.group_tables[cell, plane, (compact // GROUP).clamp(max=self.group_tables.shape[2] - 1)].long()
+        record = torch.where(keep, record, torch.full_like(record, self.sink))
+        self.row_pos[record, compact % GROUP] = pos.to(torch.int32)
+        self.rows.view(-1).index_add_(0, seg, act)
+
+    # --- encoding -----------------------------------------------------------------------
+
+    def plan_encode(self, plan: EncodePlan, committed: torch.Tensor) -> EncodePlan:
+        """Decide which candidates encode in this pass (full, committed, predecessor encoded),
+        set their seals and advance `encoded`; fills plan.ready / records / positions.
+        `committed` [cells] long: each cell's committed length (rows at positions >= it are
+        candidates that may still be rejected)."""
+        plan.ready, plan.records, plan.positions = [], [], []
+        for p, (cells, groups) in enumerate(zip(plan.cells, plan.groups)):
+            groups = groups.long()
+            record = self.group_tables[cells, p, groups.clamp(max=self.group_tables.shape[2] - 1)].long()
+            last = self.row_pos[record, GROUP - 1].long()
+            ready = (groups >= self.encoded[cells, p]) & (self.rows[cells, p] >= GROUP * (groups + 1))
+            ready &= (record != self.sink) & (last < committed[cells])
+            seal = last + self.tail
+            if p > 0:
+                pred_row = self.row_maps[cells, p - 1, last.clamp(max=self.max_len - 1)].long()
+                pred_group = pred_row.clamp(min=0) // GROUP
+                ready &= (pred_row >= 0) & (pred_group < self.encoded[cells, p - 1])
+                pred_record = self.group_tables[cells, p - 1, pred_group].long()
+                seal = torch.maximum(seal, self.seal[pred_record].long())
+            record = torch.where(ready, record, torch.full_like(record, self.sink))
+            self.seal[record] = torch.where(ready, seal, torch.full_like(seal, NEVER)).to(torch.int32)
+            done = torch.where(ready, groups + 1, torch.zeros_like(groups))
+            self.encoded[:, p].scatter_reduce_(0, cells, done, reduce="amax")
+            plan.ready.append(ready)
+            plan.records.append(record)
+            plan.positions.append(torch.where(ready[:, None], self.row_pos[record].long(), 0))
+        return plan
+
+    def encode(self, layer: int, plan: EncodePlan, k_tail: torch.Tensor, v_tail: torch.Tensor,
+               tables: torch.Tensor, page_size: int) -> None:
+        """Write layer `layer` of the plan's ready groups from the exact values in the BF16
+        tail (k_tail, v_tail [S, Hkv, D]: this layer of the pool; each candidate's rows at
+        their plane's page table). Plane by plane: a residual needs the plane before."""
+        for p in range(len(plan.cells)):
+            cells, positions, records = plan.cells[p], plan.positions[p], plan.records[p]
+            if cells.numel() == 0:
+                continue
+            pages = tables[plan.table_offsets[p][:, None] + positions // page_size]
+            slots = pages * page_size + positions % page_size  # [M, 64]
+            k, v = k_tail[slots], v_tail[slots]  # [M, 64, Hkv, D]
+            if p > 0:
+                k_prev, v_prev = self.reconstruct(layer, cells, p - 1, positions)
+                k, v = k - k_prev, v - v_prev
+            valid = torch.full((cells.numel(),), GROUP, dtype=torch.int32, device=k.device)
+            kg = int4_groups.quantize_k_groups(k.contiguous(), valid)
+            vg = int4_groups.quantize_v_groups(v.flatten(0, 1).contiguous())
+            self.k_codes[layer, records] = kg.codes
+            self.k_scale[layer, records] = kg.scale
+            self.k_lo[layer, records] = kg.lo
+            rows = (records[:, None] * GROUP + torch.arange(GROUP, device=k.device)).flatten()
+            self.v_codes[layer, rows] = vg.codes
+            self.v_scale[layer, rows] = vg.scale
+            self.v_lo[layer, rows] = vg.lo
+
+    # --- reads --------------------------------------------------------------------------
+
+    def _rows(self, cells: torch.Tensor, plane: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(compact row [..] long, -1 where none; record [..] long, the sink where none)."""
+        cell = cells.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+        row = self.row_maps[cell, plane, positions].long()
+        record = self.group_tables[cell, plane, row.clamp(min=0) // GROUP].long()
+        return row, torch.where(row >= 0, record, torch.full_like(record, self.sink))
+
+    def _decode_rows(self, layer: int, record: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [.., Hkv, D] of rows (record, in-group row) in the model dtype."""
+        i = row.clamp(min=0) % GROUP
+        byte = self.k_codes[layer, record, i // 2]  # [.., Hkv, D]
+        code = torch.where((i % 2 == 1)[..., None, None], byte >> 4, byte & 0xF)
+        k = (self.k_lo[layer, record].float() + self.k_scale[layer, record].float() * code.float()).to(self.dtype)
+        n = record * GROUP + i
+        vg = VGroups(self.v_codes[layer, n], self.v_scale[layer, n], self.v_lo[layer, n])
+        v = int4_groups.dequantize_v_groups_reference(_flat(vg), self.dtype).view(*n.shape, *k.shape[-2:])
+        return k, v
+
+    def reconstruct(self, layer: int, cells: torch.Tensor, depth: int, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the tokens at `positions` [M, ...] of `cells` [M], as reconstructed at
+        plane `depth`: the base plus every residual row they have up to that plane."""
+        row, record = self._rows(cells, 0, positions)
+        k, v = self._decode_rows(layer, record, row)
+        for p in range(1, depth + 1):
+            row, record = self._rows(cells, p, positions)
+            dk, dv = self._decode_rows(layer, record, row)
+            has = (row >= 0)[..., None, None]
+            k = torch.where(has, k + dk, k)
+            v = torch.where(has, v + dv, v)
+        return k, v
+
+    def seals(self, cells: torch.Tensor, depth: int, positions: torch.Tensor) -> torch.Tensor:
+        """[M, ...] long: from which query position each token's depth-`depth` K/V reads
+        reconstructed (the seal of the group of its deepest row at a plane <= depth)."""
+        _, record = self._rows(cells, 0, positions)
+        seal = self.seal[record].long()
+        for p in range(1, depth + 1):
+            row, record = self._rows(cells, p, positions)
+            seal = torch.where(row >= 0, self.seal[record].long(), seal)
+        return seal
+
+
+def _flat(groups: VGroups) -> VGroups:
+    """V groups of any leading shape as [N, Hkv, ...]."""
+    lead = groups.codes.shape[:-2]
+    return VGroups(*(t.reshape(-1, *t.shape[len(lead):]) for t in (groups.codes, groups.scale, groups.lo)))
+
+
+__all__ = ["NEVER", "EncodePlan", "KGroups", "PackedResiduals"]
