@@ -86,6 +86,17 @@ Head = Sample | Draft | Verify | VerifyCandidate | None
 HOST_HEADS = (Sample, Verify, VerifyCandidate)  # heads whose tokens go to the host
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordUpdate:
+    """INT4 residual group records of one request the device learns with this plan:
+    `tables[plane]` names the records of groups first, first + 1, ...; `fresh`: the
+    request's cell starts over (its rows, maps and records are reset first)."""
+
+    fresh: bool
+    first: int
+    tables: list[list[int]]
+
+
 @dataclasses.dataclass
 class RowGroup:
     request_id: str
@@ -104,6 +115,7 @@ class RowGroup:
     head: Head = None
     loops: int = 1  # consecutive loops the rows run in this call
     window: SparseWindow | None = None  # a sparse loop of token-sparse prefill (token_slots: the window's)
+    records: RecordUpdate | None = None  # INT4 residual records the device has not seen yet
 
     @property
     def num_rows(self) -> int:

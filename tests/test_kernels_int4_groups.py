@@ -38,7 +38,7 @@ BACKENDS = [False, True]  # use_triton: the torch reference, the kernels (native
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits, so that comparisons see -0.0 / +0.0 and NaN payloads."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -357,8 +357,14 @@ def test_default_backend_and_shapes():
         assert dequantize_v_groups(empty, torch.float32, use_triton=use_triton).shape == (0, 2, 16)
     with pytest.raises(AssertionError):
         quantize_k_groups(torch.zeros(1, 32, 2, 16, device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(AssertionError):
-        quantize_v_groups(torch.zeros(1, 2, 16, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(AssertionError):  # fp64 only through the torch references
+        quantize_v_groups(torch.zeros(1, 2, 16, dtype=torch.float64, device=DEVICE), use_triton=True)
+    x64 = _randn(3, 2, 128, dtype=torch.float64, seed=31)
+    _same(dequantize_v_groups(quantize_v_groups(x64, use_triton=False), torch.float64, use_triton=False),
+          quantize_rows(x64, "v", bits=4, group_size=64))
+    k64 = _randn(70, 2, 16, dtype=torch.float64, seed=32)
+    _, decoded = _k_codec(k64, use_triton=False)
+    _same(decoded, quantize_rows(k64, "k", bits=4, group_size=64))
     with pytest.raises(AssertionError):
         quantize_v_groups(torch.zeros(1, 2, 15, device=DEVICE))
     with pytest.raises(AssertionError):

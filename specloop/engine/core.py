@@ -42,6 +42,8 @@ from specloop.runtime.attention import make_backend
 from specloop.runtime.forward_batch import WINDOW_INFO, ForwardBatchBuilder
 from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
 from specloop.runtime.kv_format import PagedKV
+from specloop.runtime.kv_residual import PackedResiduals
+from specloop.scheduling.residual_records import GROUP as RECORD_ROWS, ResidualRecords
 from specloop.runtime.runner import Runner
 from specloop.runtime.sampler import check_representable
 from specloop.sampling_params import SamplingParams
@@ -140,6 +142,7 @@ class EngineCore:
         sparse.check(mcfg.num_loops)
         window_slots = _window_slots(sparse, rows, config.max_num_seqs, mcfg.num_loops, num_token_slots)
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
+        residuals, residual_ints = self._residuals(num_pages, device)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation,
                                    preemption_mode=config.preemption_mode, token_sparse=sparse)
@@ -148,15 +151,15 @@ class EngineCore:
         kv = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
                      mcfg.head_dim, self.model.dtype, device)
         self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
-                                    mcfg.num_key_value_heads)
+                                    mcfg.num_key_value_heads, residuals)
         graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
                                       -(-self.max_model_len // config.block_size), config.block_size, device,
                                       tile_rows=self.backend.tile_rows, buckets=buckets, pad_slot=num_token_slots,
-                                      window_slots=window_slots)
+                                      window_slots=window_slots, residual_ints=residual_ints)
         runner = Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs, threshold,
-                        config.seed, heads, token_sparse=sparse)
+                        config.seed, heads, token_sparse=sparse, residuals=residuals)
         if graphed:
             runner.use_graphs(LoopGraphs(
                 runner.run_pass, buckets, mcfg.hidden_size, self.model.dtype,
@@ -174,6 +177,33 @@ class EngineCore:
         log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",
                  config.model, device, num_pages, config.block_size, num_pages * page_bytes / 2**20,
                  self.backend.name, "on" if graphed else "off")
+
+    def _residuals(self, num_pages: int, device: torch.device) -> tuple[PackedResiduals | None, int]:
+        """The INT4 residual planes (kv_residual_quantization), their host records and the
+        forward batch's room for their integers; (None, 0) when off."""
+        cfg, mcfg = self.config, self.model.config
+        group = cfg.kv_residual_quantization
+        if not group.enabled:
+            return None, 0
+        if group.policy != "serial":
+            raise ConfigError("kv_residual_quantization.policy 'execution' is not implemented yet; use 'serial'")
+        if cfg.speculation != "none":
+            raise ConfigError("kv_residual_quantization does not run with speculation yet (candidates must stay "
+                              "in the tail until committed); use speculation 'none'")
+        if cfg.preemption_mode != "recompute":
+            raise ConfigError("kv_residual_quantization preempts by recompute only so far (swap would have to carry "
+                              "the packed planes); use preemption_mode 'recompute'")
+        planes, seqs = mcfg.num_loops, cfg.max_num_seqs
+        # pages run out before records do: each plane of each request takes one record per 64
+        # positions its pages cover, and a request's last record may cover less
+        num_records = -(-num_pages * cfg.block_size // RECORD_ROWS) + planes * seqs
+        store = PackedResiduals(mcfg.num_hidden_layers, num_records, seqs, planes, self.max_model_len,
+                                mcfg.num_key_value_heads, mcfg.head_dim, group.tail, self.model.dtype, device)
+        record_bytes = PackedResiduals.record_bytes(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
+        self.kv.records = ResidualRecords(planes, num_records, record_bytes)
+        groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
+        ints = seqs + 4 * planes * groups * seqs + planes * seqs * (1 + planes)
+        return store, ints
 
     def _num_pages(self, page_bytes: int, device: torch.device) -> int:
         cfg = self.config

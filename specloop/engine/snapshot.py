@@ -109,6 +109,7 @@ def engine_fingerprint(core: "EngineCore") -> dict[str, Any]:
         "num_speculative_tokens": cfg.num_speculative_tokens if spec == "block" else None,
         "seed": cfg.seed,
         "token_sparse_prefill": group_summary(cfg.token_sparse_prefill),
+        "kv_residual_quantization": group_summary(cfg.kv_residual_quantization),
     }
 
 
@@ -120,6 +121,9 @@ def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
     if req.swapped is not None:  # swapped out: its KV lives only in the swap-out snapshot, and
         return req.swapped  # nothing about it has changed since (no ticket holds it)
     if req.status in (Status.RUNNING, Status.SWAPPING):
+        if core.executor.runner.residuals is not None:
+            raise SnapshotError(f"request {req.request_id!r} holds INT4 residual KV, which snapshots do not carry "
+                                f"yet (kv_residual_quantization): snapshot it before it runs, or after it finishes")
         kv, slots, cell = _capture_kv(core, req), _capture_slots(core, req), _capture_cell(core, req)
     else:  # waiting (new or preempted by recompute): nothing on the device yet
         kv, slots, cell = None, None, None

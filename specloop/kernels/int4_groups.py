@@ -45,7 +45,8 @@ residuals of values a loop left unchanged) and every bf16 value with 2^-14 <= |x
 otherwise rounded to nearest even (fp32 0.1 -> 0.0999755859375, bf16 1e-6 -> the nearest
 fp16 subnormal, |x| >= 65520 -> +-inf); -0.0 decodes as +0.0 (lo16 + 1 * 0).
 
-Only 4 bits (two codes per byte). Inputs fp32, bf16 or fp16 and finite; the last dim must be
+Only 4 bits (two codes per byte). Inputs fp32, bf16 or fp16 (the torch references also fp64: statistics
+and codes in fp32 from the input rounded to fp32, as the FlashLoop reference does) and finite; the last dim must be
 contiguous. The dispatchers run Triton on CUDA tensors (or on CPU under `TRITON_INTERPRET=1`
 with use_triton=True) and the torch reference otherwise. No host sync: `valid` stays on
 the device. Under the interpreter the fp32 -> bf16 cast truncates (Triton 3.x), so there
@@ -233,16 +234,19 @@ def _v_blocks(heads: int, groups: int) -> tuple[int, int]:
     return min(triton.next_power_of_2(heads), max(1, 16 // block_g)), block_g  # tiles of <= 16 * 64 channels
 
 
-def _check_k(x: torch.Tensor, valid: torch.Tensor) -> None:
-    assert x.dtype in DTYPES, f"INT4 groups take fp32, bf16 or fp16, not {x.dtype}"
+REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch references also take fp64 (exact CPU tests)
+
+
+def _check_k(x: torch.Tensor, valid: torch.Tensor, dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
+    assert x.dtype in dtypes, f"INT4 groups take {', '.join(map(str, dtypes))}, not {x.dtype}"
     assert x.dim() == 4 and x.shape[1] == GROUP, f"K groups must be [G, {GROUP}, Hkv, D], got {tuple(x.shape)}"
     assert x.stride(3) == 1, "the head dim must be contiguous"
     assert valid.shape == (x.shape[0],) and not valid.is_floating_point(), "valid must be [G] int"
     assert valid.device == x.device, "valid on x's device"
 
 
-def _check_v(x: torch.Tensor) -> None:
-    assert x.dtype in DTYPES, f"INT4 groups take fp32, bf16 or fp16, not {x.dtype}"
+def _check_v(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
+    assert x.dtype in dtypes, f"INT4 groups take {', '.join(map(str, dtypes))}, not {x.dtype}"
     assert x.dim() == 3 and x.shape[2] % 2 == 0, f"V rows must be [N, Hkv, D] with D even, got {tuple(x.shape)}"
     assert x.stride(2) == 1, "the head dim must be contiguous"
 
@@ -345,7 +349,7 @@ def unpack_codes(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def quantize_k_groups_reference(x: torch.Tensor, valid: torch.Tensor) -> KGroups:
-    _check_k(x, valid)
+    _check_k(x, valid, REFERENCE_DTYPES)
     rows_ok = torch.arange(GROUP, device=x.device)[None, :] < valid[:, None]  # [G, 64]
     codes, scale16, lo16 = _encode(x.float(), rows_ok[:, :, None, None], 1)
     return KGroups(_pack(codes, 1).contiguous(), scale16.squeeze(1), lo16.squeeze(1))
@@ -357,7 +361,7 @@ def dequantize_k_groups_reference(groups: KGroups, dtype: torch.dtype) -> torch.
 
 
 def quantize_v_groups_reference(x: torch.Tensor) -> VGroups:
-    _check_v(x)
+    _check_v(x, REFERENCE_DTYPES)
     n, heads, dim = x.shape
     num_groups = triton.cdiv(dim, GROUP)
     padded = torch.zeros(n, heads, num_groups * GROUP, dtype=torch.float32, device=x.device)

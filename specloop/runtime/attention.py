@@ -29,6 +29,7 @@ from specloop.errors import ConfigError
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
+from specloop.runtime.kv_residual import PackedResiduals
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -69,19 +70,32 @@ class _Singles:
 
 
 @dataclasses.dataclass
+class _Readers:
+    """Rows' cells, depths and positions for the INT4 residual planes' reads."""
+
+    cells: torch.Tensor  # [N_p]
+    depths: torch.Tensor  # [N_p]
+    positions: torch.Tensor  # [N_p]
+    plan: Any  # kv_residual.EncodePlan of the pass
+    tables: torch.Tensor
+
+
+@dataclasses.dataclass
 class TorchMeta:
     write_slots: torch.Tensor
     keep: torch.Tensor | None
     singles: list[_Singles]
     groups: list[_Group]
+    residual: _Readers | None = None
 
 
 class TorchAttention:
     name = "torch"
     tile_rows = None
 
-    def __init__(self, kv: PagedKV) -> None:
+    def __init__(self, kv: PagedKV, residuals: PackedResiduals | None = None) -> None:
         self.kv = kv
+        self.residuals = residuals
 
     def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TorchMeta:
         device, bs = lp.positions.device, lp.page_size
@@ -101,19 +115,49 @@ class TorchAttention:
             keys = lp.tables[shape.table + span // bs] * bs + span % bs
             queries = lp.positions[shape.first: shape.first + shape.rows]
             groups.append(_Group(slice(shape.first, shape.first + shape.rows), keys, span[None, :] <= queries[:, None]))
-        return TorchMeta(lp.write_slots, keep, singles, groups)
+        readers = None
+        if lp.encode_plan is not None:
+            readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
+        return TorchMeta(lp.write_slots, keep, singles, groups, readers)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
+        res = meta.residual
+        if res is not None:  # groups that turned ready in this pass, before anyone reads them
+            self.residuals.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
         for run in meta.singles:
             keys, values = self.kv.read(layer, run.key_slots)  # [G, Lmax, Hkv, D]
+            if res is not None:
+                r = run.rows
+                span = torch.arange(keys.shape[1], device=keys.device).expand(keys.shape[0], -1)
+                keys, values = self._sealed(layer, res.cells[r], res.depths[r], span, res.positions[r][:, None],
+                                            keys, values)
             out[run.rows] = _decode_attention(q[run.rows], keys, values, run.valid, scale)
         for group in meta.groups:
             keys, values = self.kv.read(layer, group.key_slots)
-            out[group.rows] = _sdpa(q[group.rows], keys, values, group.mask, scale)
+            if res is None:
+                out[group.rows] = _sdpa(q[group.rows], keys, values, group.mask, scale)
+                continue
+            r = group.rows
+            span = torch.arange(keys.shape[0], device=keys.device)[None]
+            cell, depth = res.cells[r.start: r.start + 1], res.depths[r.start: r.start + 1]
+            seal = self.residuals.seals(cell, depth, span)[0]  # [Lk]
+            k_hat, v_hat = self.residuals.reconstruct(layer, cell, depth, span)
+            sealed = res.positions[r][:, None] >= seal[None, :]  # [n, Lk]
+            out[r] = _mixed_attention(q[r], keys, values, k_hat[0], v_hat[0], sealed, group.mask, scale)
         return out
+
+    def _sealed(self, layer: int, cells: torch.Tensor, depths: torch.Tensor, keys_at: torch.Tensor,
+                queries_at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys as it reads them: reconstructed where its position is at or past
+        the key's seal, the exact tail otherwise."""
+        seal = self.residuals.seals(cells, depths, keys_at)
+        k_hat, v_hat = self.residuals.reconstruct(layer, cells, depths, keys_at)
+        sealed = (queries_at >= seal)[..., None, None]
+        return torch.where(sealed, k_hat, keys), torch.where(sealed, v_hat, values)
 
 
 def _single_runs(shapes: list[GroupShape]) -> list[slice]:
@@ -173,7 +217,7 @@ class TritonAttention:
 
 
 def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int,
-                 num_kv_heads: int) -> AttentionBackend:
+                 num_kv_heads: int, residuals: PackedResiduals | None = None) -> AttentionBackend:
     """The backend `name` asks for; "auto" picks Triton on CUDA and the torch reference on
     CPU (there Triton runs only under its interpreter, one program at a time)."""
     if name not in BACKENDS:
@@ -181,7 +225,10 @@ def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int,
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttention(kv)
+        return TorchAttention(kv, residuals)
+    if residuals is not None:
+        raise ConfigError("kv_residual_quantization reads through the torch attention backend so far (the Triton "
+                          "packed-KV reader is not wired in yet): use attention_backend 'torch'")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU, "
                           "for tests: slow)")
@@ -198,6 +245,26 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale
     )
     return out[0].transpose(0, 1)
+
+
+def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor,
+                     sealed: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention where query i reads key j reconstructed (k_hat, v_hat) iff sealed[i, j] and
+    exact otherwise: q [n, Hq, D], k/v/k_hat/v_hat [Lk, Hkv, D], sealed/mask [n, Lk]."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    per_head = lambda x: x.to(acc).repeat_interleave(group, dim=1)  # noqa: E731 -- [Lk, Hq, D]
+    qa = q.to(acc)
+    exact = torch.einsum("nhd,khd->hnk", qa, per_head(k))
+    packed = torch.einsum("nhd,khd->hnk", qa, per_head(k_hat))
+    scores = torch.where(sealed[None], packed, exact) * scale
+    probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+    # a key no query reads exact may have no exact value left (its tail page was released)
+    read_exact = ((~sealed & mask).any(0))[:, None, None]
+    v = torch.where(read_exact, v, torch.zeros_like(v))
+    out = torch.einsum("hnk,khd->nhd", probs * ~sealed[None], per_head(v))
+    out = out + torch.einsum("hnk,khd->nhd", probs * sealed[None], per_head(v_hat))
+    return out.to(q.dtype)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:

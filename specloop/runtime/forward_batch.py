@@ -39,6 +39,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 
@@ -104,6 +105,8 @@ class LoopPass:
     block: torch.Tensor | None = None  # the pass's padded block in the device buffer (`PassLayout`)
     bucket: int = 0  # rows of the block (N_p padded up to a graph bucket, or N_p)
     num_splits: int | None = None  # split-KV fixed by the caller (a CUDA graph); None: the backend picks
+    residual: ResidualPass | None = None  # INT4 residual planes on: what the pass may encode
+    encode_plan: Any = None  # set by the runner before the backend builds (kv_residual.EncodePlan)
 
     @functools.cached_property
     def write_slots(self) -> torch.Tensor:
@@ -182,6 +185,28 @@ WINDOW_INFO = 7
 
 
 @dataclasses.dataclass
+class ResidualPass:
+    """What one loop pass tells the INT4 residual planes (`specloop.runtime.kv_residual`):
+    each row's request cell, and per request cell in the pass the page-table offset of every
+    plane it may encode groups of (-1: none; planes below the cell's shallowest row in the
+    pass cannot change), with `candidates` groups per (cell, plane) to look at."""
+
+    cells: torch.Tensor  # [N_p] long: each row's request cell
+    pass_cells: torch.Tensor  # [C] long
+    plane_tables: torch.Tensor  # [C, P] long
+    candidates: int
+
+
+@dataclasses.dataclass
+class ResidualUpdate:
+    """Record assignments the call brings: cells to reset first, then (cell, plane, group,
+    record) rows."""
+
+    resets: torch.Tensor  # [R] long
+    assign: torch.Tensor  # [A, 4] long
+
+
+@dataclasses.dataclass
 class ForwardBatch:
     plan: Plan
     num_rows: int
@@ -196,6 +221,7 @@ class ForwardBatch:
     page_size: int
     tables: torch.Tensor | None = None  # [T] long: the page tables every pass reads
     windows: WindowBatch | None = None  # sparse prefill groups
+    residual_update: ResidualUpdate | None = None  # INT4 residual records the call brings
 
     def segment(self, kind: type) -> HeadSegment | None:
         return self.heads.get(kind)
@@ -208,11 +234,14 @@ class ForwardBatchBuilder:
 
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device, tile_rows: tuple[int, int] | None = None,
-                 buckets: tuple[int, ...] = (), pad_slot: int = 0, window_slots: int = 0) -> None:
+                 buckets: tuple[int, ...] = (), pad_slot: int = 0, window_slots: int = 0,
+                 residual_ints: int = 0) -> None:
         """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles;
         `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
         `pad_slot`: the token slot padding rows name (a sink row of the slot storage);
-        `window_slots`: the most window token slots one plan's sparse prefill groups carry."""
+        `window_slots`: the most window token slots one plan's sparse prefill groups carry;
+        `residual_ints`: the most integers one plan's INT4 residual records and passes add
+        (0: the format is off)."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
         self.page_size = page_size
@@ -224,7 +253,8 @@ class ForwardBatchBuilder:
         self.pad_table = self.max_tables  # the sink entry a graph's table buffer holds past every real one
         block = max(PassLayout(max_rows, num_loops).size, PassLayout(max(self.buckets, default=1), num_loops).size)
         ints = self.ROW_COLUMNS * max_rows + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables + num_loops * block
-        ints += window_slots
+        ints += window_slots + residual_ints
+        self.residual = residual_ints > 0
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -310,6 +340,10 @@ class ForwardBatchBuilder:
         window_at = len(ints)
         if windows:
             ints.extend(self._window_ints(windows))
+        residual_at = len(ints)
+        if self.residual:
+            residual = self._residual_ints(plan, ordered, num_passes, table_at)
+            ints.extend(residual[0])
         if len(ints) > self._ints.numel():
             raise ValueError(f"a plan's {len(ints)} integers exceed the forward batch's upload buffer "
                              f"({self._ints.numel()})")
@@ -321,7 +355,56 @@ class ForwardBatchBuilder:
                             host_groups, results)
         if windows:
             batch.windows = self._window_views(windows, dev_ints, window_at)
+        if self.residual:
+            self._residual_views(batch, residual[1], dev_ints, residual_at)
         return batch
+
+    def _residual_ints(self, plan: Plan, ordered: list[RowGroup], num_passes: int,
+                       table_at: dict[tuple[int, int], int]) -> tuple[list[int], tuple]:
+        """`ResidualUpdate` and every pass's `ResidualPass` as integers, and their sizes."""
+        resets: list[int] = []
+        assign: list[int] = []
+        for g in plan.groups:
+            if g.records is None:
+                continue
+            if g.records.fresh:
+                resets.append(g.cell)
+            for plane, records in enumerate(g.records.tables):
+                for i, record in enumerate(records):
+                    assign += [g.cell, plane, g.records.first + i, record]
+        out = resets + assign
+        sizes = []
+        for p in range(num_passes):
+            shallowest: dict[int, int] = {}
+            rows: dict[int, int] = {}
+            for g in ordered:
+                if g.loops > p:
+                    shallowest[g.cell] = min(shallowest.get(g.cell, self.num_loops), g.depth + p)
+                    rows[g.cell] = rows.get(g.cell, 0) + g.num_rows
+            cells = list(shallowest)
+            out += cells
+            for c in cells:
+                out += [table_at.get((c, plane), -1) if plane >= shallowest[c] else -1
+                        for plane in range(self.num_loops)]
+            # groups that may turn ready: those the pass's rows fill, plus those waiting on the
+            # plane before (at most one per plane: docs/flashloop.md)
+            most = max(rows.values(), default=0)
+            sizes.append((len(cells), most // 64 + self.num_loops + 2))
+        return out, (len(resets), len(assign) // 4, sizes)
+
+    def _residual_views(self, batch: ForwardBatch, sizes: tuple, ints: torch.Tensor, at: int) -> None:
+        num_resets, num_assign, passes = sizes
+        resets = ints[at: at + num_resets]
+        at += num_resets
+        assign = ints[at: at + 4 * num_assign].view(num_assign, 4)
+        at += 4 * num_assign
+        batch.residual_update = ResidualUpdate(resets, assign)
+        for lp, (c, candidates) in zip(batch.passes, passes):
+            pass_cells = ints[at: at + c]
+            at += c
+            plane_tables = ints[at: at + c * self.num_loops].view(c, self.num_loops)
+            at += c * self.num_loops
+            lp.residual = ResidualPass(batch.cells[: lp.num_rows], pass_cells, plane_tables, candidates)
 
     def _window_ints(self, windows: list[tuple[int, RowGroup, int, int]]) -> list[int]:
         """`WindowBatch`'s integers: padded window slots, per-group info, per-row entries."""

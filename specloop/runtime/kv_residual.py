@@ -57,6 +57,7 @@ class EncodePlan:
     cells: list[torch.Tensor]
     groups: list[torch.Tensor]
     table_offsets: list[torch.Tensor]
+    valid: list[torch.Tensor] | None = None  # [M_p] bool: candidates that may encode (None: all)
     ready: list[torch.Tensor] = dataclasses.field(default_factory=list)
     records: list[torch.Tensor] = dataclasses.field(default_factory=list)
     positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -162,6 +163,8 @@ class PackedResiduals:
             last = self.row_pos[record, GROUP - 1].long()
             ready = (groups >= self.encoded[cells, p]) & (self.rows[cells, p] >= GROUP * (groups + 1))
             ready &= (record != self.sink) & (last < committed[cells])
+            if plan.valid is not None:
+                ready &= plan.valid[p]
             seal = last + self.tail
             if p > 0:
                 pred_row = self.row_maps[cells, p - 1, last.clamp(max=self.max_len - 1)].long()
@@ -187,7 +190,7 @@ class PackedResiduals:
             cells, positions, records = plan.cells[p], plan.positions[p], plan.records[p]
             if cells.numel() == 0:
                 continue
-            pages = tables[plan.table_offsets[p][:, None] + positions // page_size]
+            pages = tables[plan.table_offsets[p].clamp(min=0)[:, None] + positions // page_size]
             slots = pages * page_size + positions % page_size  # [M, 64]
             k, v = k_tail[slots], v_tail[slots]  # [M, 64, Hkv, D]
             if p > 0:
@@ -224,29 +227,41 @@ class PackedResiduals:
         v = int4_groups.dequantize_v_groups_reference(_flat(vg), self.dtype).view(*n.shape, *k.shape[-2:])
         return k, v
 
-    def reconstruct(self, layer: int, cells: torch.Tensor, depth: int, positions: torch.Tensor
+    def reconstruct(self, layer: int, cells: torch.Tensor, depth: int | torch.Tensor, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the tokens at `positions` [M, ...] of `cells` [M], as reconstructed at
-        plane `depth`: the base plus every residual row they have up to that plane."""
+        """K and V [M, ..., Hkv, D] of the tokens at `positions` [M, ...] of `cells` [M], as
+        reconstructed at plane `depth` (an int, or [M] per cell): the base plus every
+        residual row they have up to that plane."""
         row, record = self._rows(cells, 0, positions)
         k, v = self._decode_rows(layer, record, row)
-        for p in range(1, depth + 1):
+        for p in range(1, self._deepest(depth) + 1):
             row, record = self._rows(cells, p, positions)
             dk, dv = self._decode_rows(layer, record, row)
-            has = (row >= 0)[..., None, None]
+            has = ((row >= 0) & _upto(depth, p, positions))[..., None, None]
             k = torch.where(has, k + dk, k)
             v = torch.where(has, v + dv, v)
         return k, v
 
-    def seals(self, cells: torch.Tensor, depth: int, positions: torch.Tensor) -> torch.Tensor:
-        """[M, ...] long: from which query position each token's depth-`depth` K/V reads
-        reconstructed (the seal of the group of its deepest row at a plane <= depth)."""
+    def _deepest(self, depth: int | torch.Tensor) -> int:
+        """The deepest plane to visit (a tensor of depths: every plane; masks pick per row)."""
+        return depth if isinstance(depth, int) else self.num_planes - 1
+
+    def seals(self, cells: torch.Tensor, depth: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[M, ...] long: from which query position each token's K/V at plane `depth` (int or
+        [M]) reads reconstructed (the seal of the group of its deepest row at a plane <= depth)."""
         _, record = self._rows(cells, 0, positions)
         seal = self.seal[record].long()
-        for p in range(1, depth + 1):
+        for p in range(1, self._deepest(depth) + 1):
             row, record = self._rows(cells, p, positions)
-            seal = torch.where(row >= 0, self.seal[record].long(), seal)
+            seal = torch.where((row >= 0) & _upto(depth, p, positions), self.seal[record].long(), seal)
         return seal
+
+
+def _upto(depth: int | torch.Tensor, plane: int, positions: torch.Tensor) -> torch.Tensor | bool:
+    """Whether `plane` is within each row's depth (broadcast over the positions' trailing dims)."""
+    if isinstance(depth, int):
+        return True
+    return (depth >= plane).view(-1, *([1] * (positions.dim() - 1)))
 
 
 def _flat(groups: VGroups) -> VGroups:

@@ -30,9 +30,10 @@ from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.runtime import sparse_prefill
 from specloop.runtime.attention import AttentionBackend, Bound
-from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass
+from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ResidualUpdate
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
+from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.plan import Plan, RowGroup, Sample, Verify
 
@@ -56,7 +57,8 @@ class TicketOutput:
 class Runner:
     def __init__(self, model: OuroModel, backend: AttentionBackend, batches: ForwardBatchBuilder,
                  num_token_slots: int, max_cells: int, exit_threshold: float, engine_seed: int,
-                 heads: dict[type, DeviceHead] | None = None, token_sparse: TokenSparsePrefill | None = None) -> None:
+                 heads: dict[type, DeviceHead] | None = None, token_sparse: TokenSparsePrefill | None = None,
+                 residuals: PackedResiduals | None = None) -> None:
         """The slot storage holds one extra slot, `num_token_slots`: the sink padding rows
         write (the forward batch's `pad_slot`)."""
         cfg = model.config
@@ -74,6 +76,10 @@ class Runner:
         self.heads: dict[type, DeviceHead] = {Sample: SampleHead(), **(heads or {})}
         self.context = HeadContext(model, self.next_token, engine_seed)
         self._pin = self.device.type == "cuda"
+        self.residuals = residuals  # INT4 cross-loop KV residual planes (the backend reads them too)
+        # Every row of a call is committed (no speculation with residuals yet): no cell's rows stop
+        # a group from sealing.
+        self._committed = torch.full((max_cells,), 2**62, dtype=torch.long, device=self.device)
         # Tests only: called with (window rows, the window's kept mask) after each selection.
         self.window_probe: sparse_prefill.Probe | None = None
 
@@ -81,6 +87,8 @@ class Runner:
     def execute(self, plan: Plan) -> TicketOutput:
         batch = self.batches.build(plan)
         slots = self.slots
+        if batch.residual_update is not None:  # before anything appends rows
+            self._assign_records(batch.residual_update)
         if batch.windows is not None:  # before anything reads the rows' slots or positions
             sparse_prefill.run(slots, self.backend.kv, batch.windows, batch.token_slots, batch.passes[0], batch.tables,
                                batch.page_size, SCORE_EPS, self.window_probe)
@@ -122,12 +130,40 @@ class Runner:
         slots = self.slots
         rows = lp.token_slots
         keep = slots.exited[rows] if self.adaptive_exit else None
+        if lp.residual is not None:  # the pass's rows join their planes; groups that turn ready seal
+            lp.encode_plan = self._residual_pass(lp, keep)
         meta = self.backend.build(lp, keep)
         out = self.model.loop(hidden, lp.positions, Bound(self.backend, meta))
         if self.adaptive_exit:
             out = self._exit(lp, rows, out, keep)
         slots.advance(rows, lp.depths, out)
         return out
+
+    def _assign_records(self, update: ResidualUpdate) -> None:
+        store = self.residuals
+        if update.resets.numel():
+            store.reset(update.resets)
+        if update.assign.numel():
+            cell, plane, group, record = update.assign.unbind(1)
+            store.group_tables[cell, plane, group] = record.to(torch.int32)
+            store.seal[record] = NEVER
+
+    def _residual_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> EncodePlan:
+        """Append the pass's rows that write K/V (not exited) and plan which groups encode."""
+        store, info = self.residuals, lp.residual
+        active = torch.ones_like(lp.positions, dtype=torch.bool) if keep is None else ~keep
+        store.append(info.cells, lp.depths, lp.positions, active)
+        k = info.candidates
+        cells = info.pass_cells.repeat_interleave(k)
+        span = torch.arange(k, device=cells.device).repeat(info.pass_cells.numel())
+        plan = EncodePlan([], [], [], [])
+        for p in range(store.num_planes):
+            offsets = info.plane_tables[:, p].repeat_interleave(k)
+            plan.cells.append(cells)
+            plan.groups.append(store.encoded[cells, p] + span)
+            plan.table_offsets.append(offsets)
+            plan.valid.append(offsets >= 0)
+        return store.plan_encode(plan, self._committed)
 
     def use_graphs(self, graphs: LoopGraphs) -> None:
         """Replay loop passes that fit a bucket through `graphs` (captured here, now)."""

@@ -34,8 +34,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import TYPE_CHECKING
 
 from specloop.errors import SpecloopError
+
+if TYPE_CHECKING:
+    from specloop.scheduling.residual_records import ResidualRecords
 
 
 class OutOfPages(SpecloopError):
@@ -163,6 +167,9 @@ class KVManager:
         self.allocator = PageAllocator(num_pages)
         self._requests: dict[str, _RequestKV] = {}
         self._outstanding = 0  # sum of outstanding_pages over requests
+        # INT4 residual group records (`kv_residual_quantization`), kept alongside the pages:
+        # set by the engine; its pool is sized so that pages run out first.
+        self.records: ResidualRecords | None = None
 
     # ----- capacity -----
 
@@ -200,8 +207,9 @@ class KVManager:
 
     @property
     def total_bytes_used(self) -> int:
-        """Bytes of the pages held by anyone (a shared page counts once)."""
-        return (self.num_pages - self.allocator.num_free) * self.page_bytes
+        """Bytes of the pages (and residual records) held by anyone (a shared page counts once)."""
+        used = (self.num_pages - self.allocator.num_free) * self.page_bytes
+        return used + (self.records.total_bytes_used if self.records is not None else 0)
 
     def can_admit(self, reserve_tokens: int) -> bool:
         return self.pages_for(reserve_tokens) <= self.num_available_pages
@@ -253,6 +261,8 @@ class KVManager:
             raise OutOfPages(f"request {rid!r}: covering {num_tokens} positions needs {grow * self.num_planes} more "
                              f"KV pages; {req.outstanding_pages} reserved and {self.num_available_pages} unclaimed")
         before = req.outstanding_pages
+        if self.records is not None:
+            self.records.ensure(rid, (req.pages_per_plane + grow) * self.block_size)
         pages = self.allocator.allocate(grow * self.num_planes)
         for plane, table in enumerate(req.tables):
             table.extend(pages[plane * grow:(plane + 1) * grow])
@@ -275,6 +285,8 @@ class KVManager:
         for table in req.tables:
             del table[keep:]
         self._outstanding += req.outstanding_pages - before
+        if self.records is not None:
+            self.records.truncate(rid, keep * self.block_size)
         return self.allocator.decref(dropped)
 
     def free(self, rid: str) -> list[int]:
@@ -282,6 +294,8 @@ class KVManager:
         req = self._get(rid)
         del self._requests[rid]
         self._outstanding -= req.outstanding_pages
+        if self.records is not None:
+            self.records.free(rid)
         return self.allocator.decref([page for table in req.tables for page in table])
 
     # ----- per-request views -----
@@ -323,7 +337,8 @@ class KVManager:
         return self._get(rid).held_pages
 
     def bytes_used(self, rid: str) -> int:
-        return self._get(rid).held_pages * self.page_bytes
+        used = self._get(rid).held_pages * self.page_bytes
+        return used + (self.records.bytes_used(rid) if self.records is not None else 0)
 
     def _get(self, rid: str) -> _RequestKV:
         try:

@@ -37,7 +37,7 @@ from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.controller import Commit, Controller
 from specloop.scheduling.dense import DenseController
 from specloop.scheduling.kv_manager import KVManager
-from specloop.plan import Head, Plan, RowGroup, SparseWindow
+from specloop.plan import Head, Plan, RecordUpdate, RowGroup, SparseWindow
 from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
 
@@ -433,12 +433,16 @@ class Scheduler:
             token_ids = req.host_token_ids(start, end)
         if depth == 0 and token_ids is None and end - start != 1:
             raise AssertionError("generated tokens enter depth 0 one at a time")
-        planes = self.num_loops if self.adaptive_exit else last + 1
+        records = None
+        if self.kv.records is not None:  # every plane's table: the call may encode groups of any of them
+            fresh, first, tables = self.kv.records.pending(key)
+            records = RecordUpdate(fresh, first, tables) if fresh or tables[0] else None
+        planes = self.num_loops if self.adaptive_exit or self.kv.records is not None else last + 1
         deeper = [self.kv.page_table(key, p)[:pages] for p in range(depth + 1, planes)]
         return RowGroup(request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, cell=req.cell,
                         depth=depth, start=start, end=end, token_ids=token_ids, token_slots=rows,
                         page_table=self.kv.page_table(key, depth)[:pages], deeper_tables=deeper, head=head,
-                        loops=loops, window=sparse)
+                        loops=loops, window=sparse, records=records)
 
     def committed(self, req: Request, commit: Commit) -> None:
         """A committed result of a speculating request: the controller says what to roll back;
