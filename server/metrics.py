@@ -151,8 +151,13 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("specloop_num_requests_waiting", "Requests in the waiting queue.", s.waiting)
         yield GaugeMetricFamily("specloop_kv_cache_usage_ratio", "KV pages held or reserved / all pages.",
                                 s.kv_usage)
-        yield GaugeMetricFamily("specloop_kv_cache_used_bytes", "Bytes of KV pages held.", s.kv_bytes_used)
+        yield GaugeMetricFamily("specloop_kv_cache_used_bytes", "Bytes of KV pages (and INT4 residual records) held.", s.kv_bytes_used)
         yield GaugeMetricFamily("specloop_kv_cache_pages", "KV pages in the pool.", s.num_kv_pages)
+        yield GaugeMetricFamily("specloop_kv_residual_record_bytes", "Bytes of INT4 residual group records held "
+                                "(kv_residual_quantization; part of specloop_kv_cache_used_bytes).",
+                                s.kv_record_bytes_used)
+        yield GaugeMetricFamily("specloop_kv_residual_records_free", "INT4 residual group records free.",
+                                s.kv_records_free)
         yield GaugeMetricFamily("specloop_engine_alive", "1 while the engine serves, 0 once it stopped.",
                                 1.0 if self._engine.is_alive else 0.0)
         yield CounterMetricFamily("specloop_num_preemptions", "Running requests preempted (KV pages ran out).",

@@ -137,11 +137,24 @@ class RowGroup:
         return self.num_rows * self.loops
 
 
+@dataclasses.dataclass(frozen=True)
+class ReleaseScan:
+    """INT4 residuals: one request's tail pages the device checks after the call: from
+    `released[plane]` leading pages on, those whose every position is read reconstructed by
+    any query at or past `frontier` (the request's shallowest depth frontier)."""
+
+    kv_key: str  # the request's residency (a preempted request's next one has another)
+    cell: int
+    frontier: int
+    released: list[int]
+
+
 @dataclasses.dataclass
 class Plan:
     ticket_id: int
     groups: list[RowGroup]
     adaptive_exit: bool
+    releases: list[ReleaseScan] = dataclasses.field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -203,7 +203,7 @@ def test_configuration_parses_and_defaults():
     on = KVResidualQuantization.parse("{}")
     assert on.enabled and (on.bits, on.group_size, on.tail, on.policy) == (4, 64, 64, "serial")
     assert summary(KVResidualQuantization.parse({"tail": 32, "policy": "execution"})) == {
-        "enabled": True, "bits": 4, "group_size": 64, "tail": 32, "policy": "execution"}
+        "enabled": True, "bits": 4, "group_size": 64, "tail": 32, "policy": "execution", "tail_share": 0.3}
 
 
 @pytest.mark.parametrize("value, message", [

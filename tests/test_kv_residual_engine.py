@@ -160,3 +160,63 @@ def test_capability_errors(tiny_ckpt, kw, message):
     cfg = {"kv_residual_quantization": {"tail": TAIL}, "attention_backend": "torch"} | kw
     with pytest.raises(ConfigError, match=message):
         EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float32", num_kv_pages=64, **cfg))
+
+
+def test_tail_pages_return_to_the_pool(tiny_ckpt, refs):
+    """Once every position of a tail page reads its packed groups, the page goes back: three
+    211-, 150- and 97-token requests in a pool that holds one prompt's BF16 planes (27 x 4
+    pages of 8) plus a little run side by side, reuse each other's released pages, and still
+    emit the reference's tokens (a page read after its release would show)."""
+    engine = _engine(tiny_ckpt, num_kv_pages=150, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    for p in (2, 0, 1):
+        engine.add_request(f"r{p}", PROMPTS[p], params)
+    got: dict[str, tuple[list[int], list[float]]] = {}
+    most_running, least_held = 0, None
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            tokens, logprobs = got.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+        most_running = max(most_running, len(engine.scheduler.running))
+        for req in engine.scheduler.running:
+            if req.output_ids and req.kv_key in engine.kv.requests():  # decoding: the prompt's pages went back
+                held = engine.kv.held_pages(req.kv_key)
+                least_held = held if least_held is None else min(least_held, held)
+    _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
+    assert most_running >= 2, "the pool holds one prompt's BF16 planes: a second runs only on released pages"
+    assert least_held is not None and least_held <= 4 * 4  # the tail: <= 4 pages of 8 a plane at TAIL 5
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+
+
+def test_byte_budget_split_and_stats(tiny_ckpt):
+    """A byte budget splits into BF16 pages (tail_share) and records (the rest); stats count
+    both, per request and in total, and everything returns at the end."""
+    from specloop.runtime.kv_format import PagedKV
+    from specloop.runtime.kv_residual import PackedResiduals
+    budget = 8 << 20
+    engine = EngineCore(EngineConfig.from_kwargs(
+        str(tiny_ckpt), device="cpu", dtype="float64", kv_cache_bytes=budget, block_size=8, attention_backend="torch",
+        kv_residual_quantization={"tail": TAIL, "tail_share": 0.25}))
+    cfg = engine.model.config
+    page = PagedKV.page_bytes(cfg.num_hidden_layers, 8, cfg.num_key_value_heads, cfg.head_dim, torch.float64)
+    record = PackedResiduals.record_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    assert engine.kv.num_pages == budget // 4 // page
+    assert engine.kv.records.num_records == (budget - budget // 4) // record
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", PROMPTS[2], params)
+    seen = False
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.stats()
+        if "a" in stats.kv_bytes_per_request:
+            seen = True
+            assert stats.kv_bytes_per_request["a"] == stats.kv_bytes_used  # the only request
+            assert 0 < stats.kv_record_bytes_used < stats.kv_bytes_used
+            assert stats.kv_record_bytes_used == 4 * 4 * record  # 211 positions: 4 groups a plane
+    assert seen
+    stats = engine.stats()
+    assert stats.kv_bytes_used == stats.kv_record_bytes_used == 0
+    assert stats.kv_records_free == engine.kv.records.num_records
+    assert stats.kv_residual_quantization["tail"] == TAIL and stats.kv_residual_quantization["enabled"]

@@ -79,6 +79,11 @@ class EngineStats:
     prefill_rows_skipped: int = 0  # prompt token-loops token-sparse prefill planned to leave out (a recomputed
     # window counts again)
     token_sparse_prefill: dict[str, Any] = dataclasses.field(default_factory=dict)  # the effective group
+    kv_residual_quantization: dict[str, Any] = dataclasses.field(default_factory=dict)  # the effective group
+    kv_record_bytes_used: int = 0  # INT4 residual records held (part of kv_bytes_used)
+    kv_records_free: int = 0
+    kv_bytes_per_request: dict[str, int] = dataclasses.field(default_factory=dict)  # running requests: pages
+    # and records they hold
 
 
 def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loops: int, num_token_slots: int) -> int:
@@ -194,36 +199,54 @@ class EngineCore:
             raise ConfigError("kv_residual_quantization preempts by recompute only so far (swap would have to carry "
                               "the packed planes); use preemption_mode 'recompute'")
         planes, seqs = mcfg.num_loops, cfg.max_num_seqs
-        # pages run out before records do: each plane of each request takes one record per 64
-        # positions its pages cover, and a request's last record may cover less
-        num_records = -(-num_pages * cfg.block_size // RECORD_ROWS) + planes * seqs
+        record_bytes = PackedResiduals.record_bytes(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
+        if cfg.num_kv_pages is not None:
+            # pages run out before records do: each plane of each request takes one record per
+            # 64 positions its pages cover, and a request's last record may cover less
+            num_records = -(-num_pages * cfg.block_size // RECORD_ROWS) + planes * seqs
+        else:  # the rest of the byte budget, after the BF16 pages' share
+            num_records = int(self._kv_budget(device) * (1 - group.tail_share)) // record_bytes
         store = PackedResiduals(mcfg.num_hidden_layers, num_records, seqs, planes, self.max_model_len,
                                 mcfg.num_key_value_heads, mcfg.head_dim, group.tail, self.model.dtype, device)
-        record_bytes = PackedResiduals.record_bytes(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
         self.kv.records = ResidualRecords(planes, num_records, record_bytes)
         groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
         ints = seqs + 4 * planes * groups * seqs + planes * seqs * (1 + planes)
         return store, ints
 
     def _num_pages(self, page_bytes: int, device: torch.device) -> int:
+        """Pages of the KV pool: `num_kv_pages`, or the byte budget's share for BF16 pages (all
+        of it, or `kv_residual_quantization.tail_share` with INT4 residuals)."""
         cfg = self.config
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
+        budget = self._kv_budget(device)
+        group = cfg.kv_residual_quantization
+        if group.enabled:
+            budget = int(budget * group.tail_share)
+        pages = budget // page_bytes
+        if pages < 1:
+            raise SpecloopError(f"the KV budget of {budget} bytes holds no page of {page_bytes} bytes")
+        return pages
+
+    def _kv_budget(self, device: torch.device) -> int:
+        """Bytes for KV storage: `kv_cache_bytes`, or what the device leaves (read once, before
+        any KV storage is allocated)."""
+        if getattr(self, "_budget", None) is None:
+            self._budget = self._read_kv_budget(device)
+        return self._budget
+
+    def _read_kv_budget(self, device: torch.device) -> int:
+        cfg = self.config
         if cfg.kv_cache_bytes is not None:
-            budget = cfg.kv_cache_bytes
-        elif device.type == "cuda":
+            return cfg.kv_cache_bytes
+        if device.type == "cuda":
             gc.collect()  # an earlier engine's pool (its graphs hold a reference cycle) goes first
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(device)
             # Leave room for activations (a 1 GiB reserve measured 22% slower decode on an
             # H200 than this one; allocator retries are the suspected cause, not profiled).
-            budget = int(free * cfg.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE
-        else:
-            budget = _cpu_kv_bytes()
-        pages = budget // page_bytes
-        if pages < 1:
-            raise SpecloopError(f"the KV budget of {budget} bytes holds no page of {page_bytes} bytes")
-        return pages
+            return int(free * cfg.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE
+        return _cpu_kv_bytes()
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
@@ -385,6 +408,7 @@ class EngineCore:
         while self._inflight:
             ticket = self._inflight.popleft()
             outputs += self._commit(ticket.result())
+            self._release_tails(ticket)
             self.scheduler.ticket_done(ticket.ticket_id)
         return outputs
 
@@ -394,10 +418,16 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         m = self.metrics
+        records, held = self.kv.records, set(self.kv.requests())
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
                            m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions,
-                           self.scheduler.prefill_rows_skipped, group_summary(self.config.token_sparse_prefill))
+                           self.scheduler.prefill_rows_skipped, group_summary(self.config.token_sparse_prefill),
+                           group_summary(self.config.kv_residual_quantization),
+                           records.total_bytes_used if records is not None else 0,
+                           records.num_free if records is not None else 0,
+                           {r.request_id: self.kv.bytes_used(r.kv_key) for r in self.scheduler.running
+                            if r.kv_key in held})
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -421,11 +451,20 @@ class EngineCore:
         if self._inflight and (plan is None or len(self._inflight) >= self.config.max_inflight_tickets):
             ticket = self._inflight.popleft()
             outputs += self._commit(ticket.result())
+            self._release_tails(ticket)
             self.scheduler.ticket_done(ticket.ticket_id)
             return outputs
         if plan is None and self.requests and not outputs:
             raise RuntimeError("scheduler stalled: live requests but no work and no ticket in flight")
         return outputs
+
+    def _release_tails(self, ticket: Ticket) -> None:
+        """INT4 residuals: give back the BF16 tail pages the ticket found no query reads
+        exact any more (a request preempted or finished since has another key, or none)."""
+        live = set(self.kv.requests())
+        for key, plane, pages in ticket.releases():
+            if key in live:
+                self.kv.release_prefix(key, plane, pages)
 
     def _commit(self, results: list[SampleResult]) -> list[RequestOutput]:
         outputs = []

@@ -47,6 +47,19 @@ class Ticket:
                 for g, t, c, a, lp in zip(out.groups, tokens, counts, accepted, logprobs)]
 
 
+    def releases(self) -> list[tuple[str, int, int]]:
+        """(kv key, plane, leading pages) of tail pages no query reads exact any more (INT4
+        residuals), once the ticket completed; [] without."""
+        out = self._output
+        if out.released is None:
+            return []
+        if out.event is not None:
+            out.event.synchronize()
+        counts = out.released.tolist()
+        return [(scan.kv_key, plane, pages) for scan, row in zip(out.plan.releases, counts)
+                for plane, pages in enumerate(row)]
+
+
 class Executor:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner

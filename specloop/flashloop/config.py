@@ -98,17 +98,25 @@ class KVResidualQuantization:
     token (so the recent BF16 tail holds tail to tail + group_size - 1 tokens); before its
     seal a query reads the exact values. `policy` "serial": what a query reads depends only
     on its position (rounds, pipelines and chunked prefill read what serial decoding reads);
-    "execution": seals at safe points of the actual execution (not implemented yet)."""
+    "execution": seals at safe points of the actual execution (not implemented yet).
+    `tail_share`: with a byte budget, the share kept as BF16 pages (the tails, and a prompt's
+    positions until its groups seal: a prompt needs its BF16 pages at admission); the rest
+    holds the packed records."""
 
     enabled: bool = False
     bits: int = RESIDUAL_BITS
     group_size: int = RESIDUAL_GROUP
     tail: int = 64
     policy: str = "serial"
+    tail_share: float = 0.3  # of a byte KV budget (kv_cache_bytes or gpu_memory_utilization): BF16 pages
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"kv_residual_quantization.enabled must be true or false, got {self.enabled!r}")
+        share = self.tail_share
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0.0 < share < 1.0:
+            raise ConfigError(f"kv_residual_quantization.tail_share must lie in (0, 1) (the byte budget's share "
+                              f"kept as BF16 pages for tails and prompts not sealed yet), got {share!r}")
         if self.bits != RESIDUAL_BITS or isinstance(self.bits, bool):
             raise ConfigError(f"kv_residual_quantization.bits must be {RESIDUAL_BITS} (the packed format holds two "
                               f"codes a byte), got {self.bits!r}")

@@ -198,6 +198,20 @@ class ResidualPass:
 
 
 @dataclasses.dataclass
+class ReleaseBatch:
+    """The plan's `ReleaseScan`s on the device: positions [released * page, + span) of each
+    (request, plane) are checked after the call."""
+
+    cells: torch.Tensor  # [C] long
+    frontier: torch.Tensor  # [C] long
+    released: torch.Tensor  # [C, P] long: leading pages given back so far
+    span: int  # positions checked per (request, plane), a multiple of the page size
+
+
+RELEASE_SPAN = 4096  # the most tail positions one call checks per request and plane
+
+
+@dataclasses.dataclass
 class ResidualUpdate:
     """Record assignments the call brings: cells to reset first, then (cell, plane, group,
     record) rows."""
@@ -222,6 +236,7 @@ class ForwardBatch:
     tables: torch.Tensor | None = None  # [T] long: the page tables every pass reads
     windows: WindowBatch | None = None  # sparse prefill groups
     residual_update: ResidualUpdate | None = None  # INT4 residual records the call brings
+    release: ReleaseBatch | None = None  # INT4 residual tail pages to check after the call
 
     def segment(self, kind: type) -> HeadSegment | None:
         return self.heads.get(kind)
@@ -390,10 +405,16 @@ class ForwardBatchBuilder:
             # plane before (at most one per plane: docs/flashloop.md)
             most = max(rows.values(), default=0)
             sizes.append((len(cells), most // 64 + self.num_loops + 2))
-        return out, (len(resets), len(assign) // 4, sizes)
+        bs = self.page_size
+        span = max((scan.frontier - r * bs for scan in plan.releases for r in scan.released), default=0)
+        span = min(RELEASE_SPAN, -(-span // bs) * bs)
+        if span > 0:
+            for scan in plan.releases:
+                out += [scan.cell, scan.frontier, *scan.released]
+        return out, (len(resets), len(assign) // 4, sizes, len(plan.releases) if span > 0 else 0, span)
 
     def _residual_views(self, batch: ForwardBatch, sizes: tuple, ints: torch.Tensor, at: int) -> None:
-        num_resets, num_assign, passes = sizes
+        num_resets, num_assign, passes, num_scans, span = sizes
         resets = ints[at: at + num_resets]
         at += num_resets
         assign = ints[at: at + 4 * num_assign].view(num_assign, 4)
@@ -405,6 +426,9 @@ class ForwardBatchBuilder:
             plane_tables = ints[at: at + c * self.num_loops].view(c, self.num_loops)
             at += c * self.num_loops
             lp.residual = ResidualPass(batch.cells[: lp.num_rows], pass_cells, plane_tables, candidates)
+        if num_scans:
+            scans = ints[at: at + num_scans * (2 + self.num_loops)].view(num_scans, 2 + self.num_loops)
+            batch.release = ReleaseBatch(scans[:, 0], scans[:, 1], scans[:, 2:], span)
 
     def _window_ints(self, windows: list[tuple[int, RowGroup, int, int]]) -> list[int]:
         """`WindowBatch`'s integers: padded window slots, per-group info, per-row entries."""

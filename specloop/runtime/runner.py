@@ -30,7 +30,7 @@ from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.runtime import sparse_prefill
 from specloop.runtime.attention import AttentionBackend, Bound
-from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ResidualUpdate
+from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ReleaseBatch, ResidualUpdate
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
 from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
@@ -52,6 +52,8 @@ class TicketOutput:
     accepted: torch.Tensor | None  # [S] long on the host: candidates accepted (0 for plain samples)
     logprobs: torch.Tensor | None  # [S, W] on the host
     event: torch.cuda.Event | None  # None on CPU: already complete
+    released: torch.Tensor | None = None  # [C, P] long on the host: each plan.releases entry's
+    # leading tail pages no query reads exact any more (INT4 residuals)
 
 
 class Runner:
@@ -122,7 +124,30 @@ class Runner:
             if w.head:  # samples from its state, run here or not (slices: a 0-d device index reads back)
                 last = w.first + w.rows
                 final[last - 1: last] = slots.hidden[w.window_slots[-1:]]
-        return self._heads(batch, final)
+        released = None  # copied before the heads record the ticket's event
+        if batch.release is not None:
+            released = _to_host(self._releasable(batch.release), self._pin)
+        out = self._heads(batch, final)
+        if released is not None:
+            out.released = released
+            if out.event is None and self.device.type == "cuda":
+                out.event = torch.cuda.Event()
+                out.event.record()
+        return out
+
+    def _releasable(self, scan: ReleaseBatch) -> torch.Tensor:
+        """[C, P]: leading pages of each scanned (request, plane) whose every position reads
+        its packed groups from the request's shallowest frontier on (so no query will read it
+        exact, and no copy or encoding reads it)."""
+        store, bs = self.residuals, self.batches.page_size
+        span = torch.arange(scan.span, device=scan.cells.device)
+        out = []
+        for p in range(store.num_planes):
+            positions = (scan.released[:, p, None] * bs + span).clamp(max=store.max_len - 1)
+            ok = store.seals(scan.cells, p, positions) <= scan.frontier[:, None]
+            whole = ok.view(ok.shape[0], -1, bs).all(-1).long()  # [C, span / bs] pages
+            out.append(scan.released[:, p] + whole.cumprod(-1).sum(-1))
+        return torch.stack(out, 1)
 
     def run_pass(self, lp: LoopPass, hidden: torch.Tensor) -> torch.Tensor:
         """One loop over the pass's rows: attention through the backend, adaptive exit, slot

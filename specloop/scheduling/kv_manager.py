@@ -131,6 +131,8 @@ class _RequestKV:
     reserved_pages: int
     tables: list[list[int]]  # [plane] -> page ids; every plane has the same length
     frontiers: list[int]  # [plane] -> positions [0, frontier) written
+    released: list[int] = dataclasses.field(default_factory=list)  # [plane] -> leading pages given back
+    # (INT4 residuals: every position on them reads its packed groups; the table keeps the sink page there)
 
     @property
     def pages_per_plane(self) -> int:
@@ -138,7 +140,7 @@ class _RequestKV:
 
     @property
     def held_pages(self) -> int:
-        return sum(len(table) for table in self.tables)
+        return sum(len(table) - r for table, r in zip(self.tables, self.released))
 
     @property
     def outstanding_pages(self) -> int:
@@ -170,6 +172,7 @@ class KVManager:
         # INT4 residual group records (`kv_residual_quantization`), kept alongside the pages:
         # set by the engine; its pool is sized so that pages run out first.
         self.records: ResidualRecords | None = None
+        self.sink_page = num_pages  # the page the KV storage keeps past the pool (written by padding rows, never read)
 
     # ----- capacity -----
 
@@ -234,7 +237,7 @@ class KVManager:
                 f"request {rid!r} needs {needed} KV pages but only {self.num_available_pages} are unreserved."
             )
         planes = range(self.num_planes)
-        self._requests[rid] = _RequestKV(needed, [[] for _ in planes], [0 for _ in planes])
+        self._requests[rid] = _RequestKV(needed, [[] for _ in planes], [0 for _ in planes], [0 for _ in planes])
         self._outstanding += needed
 
     def pages_to_cover(self, rid: str, num_tokens: int) -> int:
@@ -244,6 +247,8 @@ class KVManager:
     def can_ensure(self, rid: str, num_tokens: int) -> bool:
         """Whether `ensure(rid, num_tokens)` would succeed: its reservation plus the free pages
         nobody has a claim on cover the growth."""
+        if self.records is not None and self.records.records_for(rid, num_tokens) > self.records.num_free:
+            return False
         return self.pages_to_cover(rid, num_tokens) <= self._get(rid).outstanding_pages + self.num_available_pages
 
     def ensure(self, rid: str, num_tokens: int) -> None:
@@ -281,7 +286,8 @@ class KVManager:
         req.frontiers = [min(frontier, f) for f in req.frontiers]
         keep = _ceil_div(frontier, self.block_size)
         before = req.outstanding_pages
-        dropped = [page for table in req.tables for page in table[keep:]]
+        dropped = [page for table, r in zip(req.tables, req.released) for page in table[max(keep, r):]]
+        req.released = [min(r, keep) for r in req.released]
         for table in req.tables:
             del table[keep:]
         self._outstanding += req.outstanding_pages - before
@@ -296,13 +302,34 @@ class KVManager:
         self._outstanding -= req.outstanding_pages
         if self.records is not None:
             self.records.free(rid)
-        return self.allocator.decref([page for table in req.tables for page in table])
+        return self.allocator.decref([page for table, r in zip(req.tables, req.released) for page in table[r:]])
+
+    def release_prefix(self, rid: str, plane: int, pages: int) -> list[int]:
+        """Give back the plane's pages [0, pages) (INT4 residuals: no query will read those
+        positions exact again); their table entries become `sink_page`. Idempotent for
+        counts at or below the current one; returns the pages that became free."""
+        req = self._get(rid)
+        pages = min(pages, len(req.tables[plane]))
+        if pages <= req.released[plane]:
+            return []
+        freed = req.tables[plane][req.released[plane]: pages]
+        req.released[plane] = pages
+        before = req.outstanding_pages
+        out = self.allocator.decref(freed)
+        self._outstanding += req.outstanding_pages - before
+        return out
+
+    def released(self, rid: str, plane: int) -> int:
+        """Leading pages of the plane given back (`release_prefix`)."""
+        return self._get(rid).released[plane]
 
     # ----- per-request views -----
 
     def page_table(self, rid: str, plane: int) -> list[int]:
-        """A copy of the pages of `rid`'s plane, in position order."""
-        return list(self._table(rid, plane))
+        """A copy of the pages of `rid`'s plane, in position order (released ones: `sink_page`)."""
+        table = self._table(rid, plane)
+        released = self._get(rid).released[plane]
+        return [self.sink_page] * released + table[released:]
 
     def coverage(self, rid: str) -> int:
         """Positions [0, coverage) have a page in every plane."""

@@ -37,7 +37,7 @@ from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.controller import Commit, Controller
 from specloop.scheduling.dense import DenseController
 from specloop.scheduling.kv_manager import KVManager
-from specloop.plan import Head, Plan, RecordUpdate, RowGroup, SparseWindow
+from specloop.plan import Head, Plan, RecordUpdate, ReleaseScan, RowGroup, SparseWindow
 from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
 
@@ -234,6 +234,9 @@ class Scheduler:
             return self.kv.can_admit(req.reserve_tokens)
         tokens = min(req.num_host_tokens + self.kv.block_size, req.reserve_tokens)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
+        records = self.kv.records
+        if records is not None and records.records_for(None, tokens) > records.num_free:
+            return False
         return self.kv.pages_for(tokens) + spare <= self.kv.num_available_pages
 
     def _admit(self) -> list[Request]:
@@ -329,11 +332,26 @@ class Scheduler:
         if not groups:
             return None
         plan = Plan(self._next_ticket, groups, self.adaptive_exit)
+        if self.kv.records is not None:
+            plan.releases = self._release_scans(groups)
         self._next_ticket += 1
         if release:  # token slots that finished the last depth return once the ticket completes
             self.token_slots.finish(release)
             self._defer(lambda: self.token_slots.release(release))
         return plan
+
+    def _release_scans(self, groups: list[RowGroup]) -> list[ReleaseScan]:
+        """INT4 residuals: for each request in the plan, where the device should look for
+        tail pages no query will read exact again once the plan ran: from each plane's
+        released pages up to the request's shallowest frontier (the plan's rows counted)."""
+        by_cell = {req.cell: req for req in self.running}
+        scans = []
+        for cell in dict.fromkeys(g.cell for g in groups):
+            key = by_cell[cell].kv_key
+            frontier = min(self.kv.frontier(key, p) for p in range(self.num_loops))
+            released = [self.kv.released(key, p) for p in range(self.num_loops)]
+            scans.append(ReleaseScan(key, cell, frontier, released))
+        return scans
 
     def _entry_rows(self, req: Request, start: int, rows: int, new_windows: bool = True) -> int:
         """How many of `rows` positions from `start` can enter depth 0 now: each needs a token
