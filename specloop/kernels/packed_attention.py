@@ -1,0 +1,559 @@
+"""Attention over K/V read exact from BF16 tail pages or reconstructed from INT4 residual
+groups (FlashLoop's packed planes), in Triton, with its torch reference.
+
+    packed = PackedKV(k_groups, v_groups, record_seal, group_tables, row_maps)
+    out, lse = packed_attention(q, k_tail, v_tail, tables, page_size, packed,
+                                cell, depth, position, table_offset, return_lse=True)
+
+What a call reads (one layer; the caller slices layers). DT is the model dtype (fp32, bf16
+or fp16), Hkv KV heads, Hq query heads (a multiple of Hkv), D the head dim (even), P <= 4
+depth planes (0-based), GROUP = 64.
+
+- Packed records, NG of them, one per 64-row group of one plane of one request cell: K as
+  `int4_groups.KGroups` with G = NG (codes uint8 [NG, 32, Hkv, D], scale / lo fp16
+  [NG, Hkv, D]) and V as `int4_groups.VGroups` with N = NG * 64 (codes uint8
+  [NG * 64, Hkv, D / 2], scale / lo fp16 [NG * 64, Hkv, ceil(D / 64)]): in-group row i of
+  record g is K row i of group g and V row g * 64 + i. record_seal int32 [NG] is the first
+  query position that reads the record's rows reconstructed (NEVER = 2^31 - 1: none does).
+- Per cell (C of them): group_tables int32 [C, P, MAXG], the record of compact group g of
+  plane p (-1: none), and row_maps int32 [C, P, MAXLEN], the compact row of position j in
+  plane p or -1 when j has no row there (absent means inherited from the planes before, not
+  code 0). Every plane, plane 0 included, is read through its map.
+- The BF16 tail (the exact values, one layer of the paged pool): k_tail, v_tail [S, Hkv, D]
+  in DT; key j of a row sits at tables[table_offset + j // page_size] * page_size
+  + j % page_size, the row's plane-d page table as in `paged_attention`.
+- Query rows q [N, Hq, D] in DT, already rotated, each with its cell, depth d (a plane),
+  position and table offset. A row with a negative position is padding: not written.
+
+The read rule, for row (cell c, depth d, position q) and key j <= q:
+  1. s = the seal of the record holding j's deepest row at a plane <= d (NEVER when that
+     row's group has no record; `key_seals`).
+  2. q >= s: reconstructed (`reconstruct_keys`): x = dq(plane-0 row), then for each plane
+     1..d where j has a row, x = DT(fp32(x) + fp32(dq(that row))). dq is the codec's decode,
+     DT(lo16 + scale16 * code) in fp32 (a product and an add, never fused), rounded once.
+  3. q < s: exact, from the tail.
+Then causal attention by position: scores (q . k_j) * D^-0.5 and softmax in fp32,
+out = sum_j p_j v_j in DT, and lse [N, Hq] fp32 (the natural log of the softmax
+denominator) with `return_lse`. The reconstructed path never loads a tail slot and the
+exact path never a packed record: every load is masked, and unwanted lanes are replaced
+with `where`, so NaN in storage a row does not read cannot reach it.
+
+Kernel: a program per (query row, KV head, split). Its M dimension is the row's GQA heads,
+padded to 16 for `tl.dot`; it runs a flash-style online softmax over key blocks of
+`block_n` keys, each block gathered by `_key_block`: the row maps and group tables of
+planes 0..d (a loop over the P planes, P a constexpr, each plane behind a branch on p <= d
+that is the same for the whole program) give every key's seal; a block with a reconstructed
+key decodes those keys plane by plane (codes, scale and lo loaded only for them), and the
+exact keys load their tail slots. `read_keys` exposes what that gather produces, so tests check the
+kernel's reconstruction bit for bit. Split-KV (`num_splits`) gives each split an equal share
+of the row's keys and combines the partial outputs by their lse, as `paged_attention` does.
+
+Precision: the gathered K/V tile is fp32 holding DT values; QK and PV run on tensor cores in
+DT with fp32 accumulation, the probabilities rounded to DT for PV (fp32 inputs use IEEE fp32
+products). FMA contraction is off for the whole launch (the decode must not fuse; what that
+costs the softmax is not measured). Under `TRITON_INTERPRET=1` tiles are cast to fp32 before
+`tl.dot` (the interpreter's bf16 dot is wrong) and rounding to bf16 is done by hand on the
+bits (its fp32 -> bf16 cast truncates); see ../shared/docs/gpu.md and `int4_groups`.
+
+Not done yet: rows of one cell and depth are not tiled together (a verification's k+1 rows
+each gather the same keys; `paged_attention` shares them); the M padding to 16 wastes most
+of a decode program's tensor-core tile; the row maps are read twice per block (seal, then
+decode); and the kernel has not been run or timed on CUDA (only under the interpreter so
+far). Not checked on the device (no host sync in `packed_attention_triton`): depth < P,
+positions < MAXLEN, and that a key read reconstructed has a plane-0 row and every row it
+reads a record (the reference asserts these). The lse of a padding row is not written (the
+reference gives -inf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from specloop.kernels import DTYPES
+from specloop.kernels.int4_groups import GROUP, PAIRS, KGroups, VGroups, unpack_codes
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+NEVER = 2**31 - 1  # record_seal of a record no query reads reconstructed
+MAX_PLANES = 4
+REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch references also take fp64 (exact CPU tests)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedKV:
+    """One layer's packed planes: K / V records, their seals and each cell's tables.
+
+    k: KGroups with G = NG records; v: VGroups with N = NG * 64 rows; seal int32 [NG];
+    group_tables int32 [C, P, MAXG] (record of compact group g of plane p, -1: none);
+    row_maps int32 [C, P, MAXLEN] (compact row of position j in plane p, -1: no row)."""
+
+    k: KGroups
+    v: VGroups
+    seal: torch.Tensor
+    group_tables: torch.Tensor
+    row_maps: torch.Tensor
+
+    @property
+    def planes(self) -> int:
+        return self.row_maps.shape[1]
+
+
+# --- Triton ---------------------------------------------------------------------------
+
+@triton.jit
+def _rounded(v, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """v rounded to DTYPE to nearest even, returned as fp32 (by hand on the bits for bf16
+    under the interpreter; NaN stays NaN there too)."""
+    if BF16_BY_HAND:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _key_block(
+    j, j_ok, cell, depth, pos, table, kv_head,
+    k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+    seal_ptr, group_tables_ptr, row_maps_ptr,
+    stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    """K and V [BLOCK_N, BLOCK_D] of keys j (where j_ok) as one row reads them: fp32 holding
+    DT values, 0 elsewhere. Phase 1 finds each key's seal, phase 2 decodes the keys read
+    reconstructed, phase 3 loads the exact ones from the tail."""
+    dtype = k_tail_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    base = cell * PLANES  # (cell, plane 0) of the tables
+    # 1. the seal of the group holding each key's deepest row at a plane <= depth
+    seal = tl.zeros_like(j) + 2147483647
+    for p in tl.static_range(PLANES):
+        if depth >= p:  # the same for the whole program: planes past the row's depth are not read
+            r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=j_ok, other=-1)
+            has = r >= 0
+            rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(has, r, 0) // 64, mask=has, other=-1)
+            s = tl.load(seal_ptr + tl.where(rec >= 0, rec, 0), mask=has & (rec >= 0), other=2147483647)
+            seal = tl.where(has, s, seal)
+    recon = j_ok & (pos >= seal)
+    exact = j_ok & (pos < seal)
+    # 2. reconstructed: plane 0's decode plus the residual of each plane 1..depth with a row
+    k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if tl.max(recon.to(tl.int32), axis=0) > 0:  # a block of exact keys skips the decode
+        for p in tl.static_range(PLANES):
+            if depth >= p:
+                r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=recon, other=-1)
+                rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(r >= 0, r, 0) // 64,
+                              mask=r >= 0, other=-1)
+                use = (r >= 0) & (rec >= 0)
+                row = tl.where(use, r % 64, 0)
+                rec = tl.where(use, rec, 0).to(tl.int64)
+                ok = use[:, None] & d_ok[None, :]
+                # K: byte (rec, row // 2, head, d), the row's nibble; scale / lo (rec, head, d)
+                pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
+                byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
+                code = (byte >> (4 * (row % 2))[:, None]) & 0xF
+                meta = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
+                scale = tl.load(k_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+                lo = tl.load(k_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+                dk = _rounded(lo + scale * code.to(tl.float32), dtype, BF16_BY_HAND)
+                # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per 64 channels
+                vrow = (rec * 64 + row) * num_kv_heads + kv_head
+                byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
+                               other=0).to(tl.int32)
+                code = (byte >> (4 * (d % 2))[None, :]) & 0xF
+                meta = vrow[:, None] * V_GROUPS + d[None, :] // 64
+                scale = tl.load(v_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+                lo = tl.load(v_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+                dv = _rounded(lo + scale * code.to(tl.float32), dtype, BF16_BY_HAND)
+                if p == 0:
+                    k = tl.where(ok, dk, 0.0)
+                    v = tl.where(ok, dv, 0.0)
+                else:
+                    k = tl.where(ok, _rounded(k + dk, dtype, BF16_BY_HAND), k)
+                    v = tl.where(ok, _rounded(v + dv, dtype, BF16_BY_HAND), v)
+    # 3. exact: the tail slot in the row's plane-depth page table
+    page = tl.load(tables_ptr + table + tl.where(exact, j, 0) // PAGE_SIZE, mask=exact, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + j % PAGE_SIZE
+    ok = exact[:, None] & d_ok[None, :]
+    k_exact = tl.load(k_tail_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=ok, other=0.0)
+    v_exact = tl.load(v_tail_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=ok, other=0.0)
+    k = tl.where(recon[:, None], k, k_exact.to(tl.float32))
+    v = tl.where(recon[:, None], v, v_exact.to(tl.float32))
+    return k, v
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
+    v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
+    num_heads, num_kv_heads, max_groups, max_len, scale,
+    PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr,
+    V_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(position_ptr + n).to(tl.int32)
+    if pos >= 0:
+        cell = tl.load(cell_ptr + n).to(tl.int64)
+        depth = tl.load(depth_ptr + n).to(tl.int32)
+        table = tl.load(table_offset_ptr + n).to(tl.int64)
+        dtype = k_tail_ptr.dtype.element_ty
+        i = tl.arange(0, BLOCK_M)
+        i_ok = i < GQA
+        head = kv_head * GQA + i
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + n * stride_qn + head[:, None] * stride_qh + d[None, :],
+                    mask=i_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        context = pos + 1
+        chunk = tl.cdiv(tl.cdiv(context, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(context, lo + chunk)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            j_ok = j < hi
+            k, v = _key_block(
+                j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
+                k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr,
+                stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(dtype)))
+            s = tl.where(j_ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)  # m_new is finite: every block has a visible key
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_FP32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(dtype), v.to(dtype))
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        empty = l_i == 0.0  # a split past the row's position
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(l_safe))
+        if SPLITS == 1:
+            o = _rounded(o, out_ptr.dtype.element_ty, BF16_BY_HAND)
+            tl.store(out_ptr + n * stride_on + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=i_ok[:, None] & d_ok[None, :])
+            if WRITE_LSE:
+                tl.store(lse_ptr + n * stride_ln + head, lse, mask=i_ok)
+        else:
+            at = (n * num_heads + head) * SPLITS + split
+            tl.store(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], o, mask=i_ok[:, None])
+            tl.store(part_lse_ptr + at, lse, mask=i_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, position_ptr, out_ptr, lse_ptr, stride_on, stride_oh, stride_ln, num_heads,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Per (row, query head): the splits' outputs weighted by exp(lse_s - lse)."""
+    n = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tl.load(position_ptr + n) >= 0:
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_ok = s < SPLITS
+        at = (n * num_heads + head) * SPLITS + s
+        lse_s = tl.load(part_lse_ptr + at, mask=s_ok, other=float("-inf"))
+        top = tl.max(lse_s, axis=0)  # finite: split 0 always holds key 0
+        w = tl.exp(lse_s - top)
+        total = tl.sum(w, axis=0)
+        o = tl.load(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        o = _rounded(tl.sum(w[:, None] * o, axis=0) / total, out_ptr.dtype.element_ty, BF16_BY_HAND)
+        tl.store(out_ptr + n * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        if WRITE_LSE:
+            tl.store(lse_ptr + n * stride_ln + head, top + tl.log(total))
+
+
+@triton.jit
+def _read_keys_kernel(
+    k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+    seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
+    k_out_ptr, v_out_ptr,
+    stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len, keys,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    """Per (row, KV head, block of keys): the attention kernel's gather, stored."""
+    n = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    pos = tl.load(position_ptr + n).to(tl.int32)
+    start = tl.program_id(2) * BLOCK_N
+    if start <= pos:  # blocks past the row's position stay zero
+        j = start + tl.arange(0, BLOCK_N)
+        k, v = _key_block(
+            j, (j <= pos) & (j < keys), tl.load(cell_ptr + n).to(tl.int64), tl.load(depth_ptr + n).to(tl.int32), pos,
+            tl.load(table_offset_ptr + n).to(tl.int64), kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
+            k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr,
+            stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+        d = tl.arange(0, BLOCK_D)
+        at = ((n * keys + j) * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        ok = (j < keys)[:, None] & (d < HEAD_DIM)[None, :]
+        dtype = k_out_ptr.dtype.element_ty
+        tl.store(k_out_ptr + at, k.to(dtype), mask=ok)
+        tl.store(v_out_ptr + at, v.to(dtype), mask=ok)
+
+
+def _check(q_or_none: torch.Tensor | None, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
+           packed: PackedKV, rows: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...] = DTYPES) -> None:
+    _, num_kv_heads, head_dim = k_tail.shape
+    assert k_tail.dtype in dtypes, f"packed attention takes {', '.join(map(str, dtypes))}, not {k_tail.dtype}"
+    assert v_tail.shape == k_tail.shape and v_tail.dtype == k_tail.dtype, "K and V tails must be [S, Hkv, D] alike"
+    assert k_tail.stride(2) == 1 and v_tail.stride(2) == 1, "the head dim must be contiguous"
+    assert head_dim % 2 == 0, "the head dim must be even"
+    if q_or_none is not None:
+        q = q_or_none
+        assert q.dim() == 3 and q.shape[2] == head_dim and q.stride(2) == 1, "q must be [N, Hq, D], D contiguous"
+        assert q.dtype == k_tail.dtype, "q and the tails share the model dtype"
+        assert q.shape[1] % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    ng = packed.seal.shape[0]
+    v_groups = triton.cdiv(head_dim, GROUP)
+    assert packed.k.codes.shape == (ng, PAIRS, num_kv_heads, head_dim), "k codes must be [NG, 32, Hkv, D]"
+    assert packed.k.scale.shape == packed.k.lo.shape == (ng, num_kv_heads, head_dim), "k scale, lo: [NG, Hkv, D]"
+    assert packed.v.codes.shape == (ng * GROUP, num_kv_heads, head_dim // 2), "v codes must be [NG * 64, Hkv, D / 2]"
+    assert packed.v.scale.shape == packed.v.lo.shape == (ng * GROUP, num_kv_heads, v_groups), "v scale, lo shape"
+    assert packed.group_tables.dim() == 3 and packed.row_maps.dim() == 3, "tables must be [C, P, *]"
+    assert packed.group_tables.shape[:2] == packed.row_maps.shape[:2], "group tables and row maps: same cells, planes"
+    assert 1 <= packed.planes <= MAX_PLANES, f"1 to {MAX_PLANES} planes, got {packed.planes}"
+    for t in (packed.k.codes, packed.k.scale, packed.k.lo, packed.v.codes, packed.v.scale, packed.v.lo, packed.seal,
+              packed.group_tables, packed.row_maps, tables, *rows):
+        assert t.is_contiguous(), "packed records, tables and row vectors must be contiguous"
+    n = rows[0].shape[0]
+    assert all(r.shape == (n,) and not r.is_floating_point() for r in rows), "cell, depth, position, offset: [N] int"
+
+
+def _common(k_tail: torch.Tensor, packed: PackedKV, page_size: int) -> dict:
+    head_dim = k_tail.shape[2]
+    return dict(PAGE_SIZE=page_size, HEAD_DIM=head_dim, PLANES=packed.planes,
+                V_GROUPS=triton.cdiv(head_dim, GROUP), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16)
+
+
+def _storage(k_tail, v_tail, tables, packed: PackedKV) -> tuple[torch.Tensor, ...]:
+    return (k_tail, v_tail, tables, packed.k.codes, packed.k.scale, packed.k.lo, packed.v.codes, packed.v.scale,
+            packed.v.lo, packed.seal, packed.group_tables, packed.row_maps)
+
+
+def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
+                            page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
+                            position: torch.Tensor, table_offset: torch.Tensor, *, return_lse: bool = False,
+                            num_splits: int = 1, block_n: int = 32,
+                            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch (rows, KV heads, splits) programs, plus the combine when split; no host sync."""
+    rows = (cell, depth, position, table_offset)
+    _check(q, k_tail, v_tail, tables, packed, rows)
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_tail.shape[1]
+    gqa = num_heads // num_kv_heads
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 16 (tl.dot)"
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(n, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
+    if n == 0:
+        return out, lse
+    common = _common(k_tail, packed, page_size)
+    lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
+    part_o = part_lse = out
+    if num_splits > 1:
+        part_o = torch.empty(n * num_heads * num_splits, common["BLOCK_D"], dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(n * num_heads * num_splits, dtype=torch.float32, device=q.device)
+    lse_stride = lse.stride(0) if lse is not None else 0
+    _attention_kernel[(n, num_kv_heads, num_splits)](
+        q, *_storage(k_tail, v_tail, tables, packed), *rows, out, lse_arg, part_o, part_lse,
+        q.stride(0), q.stride(1), k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1),
+        out.stride(0), out.stride(1), lse_stride,
+        num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5,
+        GQA=gqa, BLOCK_M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, SPLITS=num_splits,
+        DOT_FP32=_INTERPRET or q.dtype == torch.float32, WRITE_LSE=return_lse, enable_fp_fusion=False, **common,
+    )
+    if num_splits > 1:
+        _combine_kernel[(n, num_heads)](
+            part_o, part_lse, position, out, lse_arg, out.stride(0), out.stride(1), lse_stride, num_heads,
+            HEAD_DIM=head_dim, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=common["BLOCK_D"], BF16_BY_HAND=common["BF16_BY_HAND"], WRITE_LSE=return_lse,
+        )
+    return out, lse
+
+
+def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
+                     packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor,
+                     table_offset: torch.Tensor, keys: int, *, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention kernel's gather (`_key_block`), stored: K and V [N, keys, Hkv, D]."""
+    rows = (cell, depth, position, table_offset)
+    _check(None, k_tail, v_tail, tables, packed, rows)
+    n = cell.shape[0]
+    k_out = k_tail.new_zeros(n, keys, *k_tail.shape[1:])
+    v_out = torch.zeros_like(k_out)
+    if n and keys:
+        _read_keys_kernel[(n, k_tail.shape[1], triton.cdiv(keys, block_n))](
+            *_storage(k_tail, v_tail, tables, packed), *rows, k_out, v_out,
+            k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1), k_tail.shape[1],
+            packed.group_tables.shape[2], packed.row_maps.shape[2], keys, BLOCK_N=block_n,
+            enable_fp_fusion=False, **_common(k_tail, packed, page_size))
+    return k_out, v_out
+
+
+# --- torch references -----------------------------------------------------------------
+
+def key_seals(packed: PackedKV, cell: int, depth: int, positions: torch.Tensor) -> torch.Tensor:
+    """Seal [L] (int64) of keys `positions` at depth `depth` of `cell`: the seal of the record
+    holding each key's deepest row at a plane <= depth; NEVER without one."""
+    seal = torch.full(positions.shape, NEVER, dtype=torch.long, device=positions.device)
+    for p in range(depth + 1):
+        r = packed.row_maps[cell, p, positions].long()
+        has = r >= 0
+        rec = packed.group_tables[cell, p, r.clamp(min=0) // GROUP].long()
+        s = torch.where(rec >= 0, packed.seal[rec.clamp(min=0)].long(), NEVER)
+        seal = torch.where(has, s, seal)
+    return seal
+
+
+def _decode_rows(packed: PackedKV, rec: torch.Tensor, row: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codec's decode of in-group rows `row` of records `rec` ([L] each): K, V [L, Hkv, D]."""
+    nibble = (4 * (row % 2)).to(torch.uint8)[:, None, None]
+    k_code = (packed.k.codes[rec, row // 2] >> nibble) & 0xF  # [L, Hkv, D]
+    k = (packed.k.lo[rec].float() + packed.k.scale[rec].float() * k_code.float()).to(dtype)
+    v_rows = rec * GROUP + row
+    v_code = unpack_codes(packed.v.codes[v_rows], 2)  # [L, Hkv, D]
+    channel_group = torch.arange(v_code.shape[2], device=v_code.device) // GROUP
+    scale, lo = packed.v.scale[v_rows][..., channel_group], packed.v.lo[v_rows][..., channel_group]
+    v = (lo.float() + scale.float() * v_code.float()).to(dtype)
+    return k, v
+
+
+def reconstruct_keys(packed: PackedKV, cell: int, depth: int, positions: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [L, Hkv, D] in `dtype` of keys `positions` of `cell` reconstructed at depth
+    `depth`: plane 0's decode, plus the decoded residual of every plane 1..depth where the
+    key has a row, added in dtype (DT(fp32(x) + fp32(residual)); fp64 adds in fp64). Every
+    key must have a plane-0 row, and every row a record."""
+    compute = torch.promote_types(dtype, torch.float32)
+    k = v = None
+    for p in range(depth + 1):
+        r = packed.row_maps[cell, p, positions].long()
+        has = r >= 0
+        rec = packed.group_tables[cell, p, r.clamp(min=0) // GROUP].long()
+        assert bool((rec[has] >= 0).all()), f"a row of plane {p} whose group has no record"
+        if p == 0:
+            assert bool(has.all()), "a key read reconstructed without a plane-0 row"
+            k, v = _decode_rows(packed, rec, r % GROUP, dtype)
+            continue
+        dk, dv = _decode_rows(packed, rec[has], r[has] % GROUP, dtype)
+        k[has] = (k[has].to(compute) + dk.to(compute)).to(dtype)
+        v[has] = (v[has].to(compute) + dv.to(compute)).to(dtype)
+    return k, v
+
+
+def row_keys(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, packed: PackedKV,
+             cell: int, depth: int, position: int, table_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [position + 1, Hkv, D] as one query row reads them: reconstructed where
+    position >= the key's seal, else exact from the tail (nothing else is indexed)."""
+    j = torch.arange(position + 1, device=k_tail.device)
+    sealed = position >= key_seals(packed, cell, depth, j)
+    k = k_tail.new_empty(position + 1, *k_tail.shape[1:])
+    v = torch.empty_like(k)
+    exact = j[~sealed]
+    slots = tables[table_offset + exact // page_size].long() * page_size + exact % page_size
+    k[~sealed], v[~sealed] = k_tail[slots], v_tail[slots]
+    if sealed.any():
+        k[sealed], v[sealed] = reconstruct_keys(packed, cell, depth, j[sealed], k_tail.dtype)
+    return k, v
+
+
+def read_keys_reference(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
+                        packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor,
+                        table_offset: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_keys` of every row, K and V [N, keys, Hkv, D]: key j < keys where j <= the row's
+    position, zeros elsewhere (and for padding rows)."""
+    _check(None, k_tail, v_tail, tables, packed, (cell, depth, position, table_offset), REFERENCE_DTYPES)
+    k_out = k_tail.new_zeros(cell.shape[0], keys, *k_tail.shape[1:])
+    v_out = torch.zeros_like(k_out)
+    for n, (c, d, pos, off) in enumerate(zip(cell.tolist(), depth.tolist(), position.tolist(), table_offset.tolist())):
+        if pos >= 0:
+            k, v = row_keys(k_tail, v_tail, tables, page_size, packed, c, d, pos, off)
+            k_out[n, : k.shape[0]], v_out[n, : v.shape[0]] = k[:keys], v[:keys]
+    return k_out, v_out
+
+
+def packed_attention_reference(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
+                               page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
+                               position: torch.Tensor, table_offset: torch.Tensor, *, return_lse: bool = False,
+                               num_splits: int = 1, block_n: int = 32,
+                               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same, row by row in plain PyTorch: `row_keys`, then fp32 scores, softmax and
+    weighted sum (fp64 for fp64 inputs, which only the reference takes; num_splits and
+    block_n only shape the kernel's work and are ignored here).
+    Padding rows (negative position) are left as `out` had them (zeros when new)."""
+    _check(q, k_tail, v_tail, tables, packed, (cell, depth, position, table_offset), REFERENCE_DTYPES)
+    n, num_heads, head_dim = q.shape
+    gqa = num_heads // k_tail.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros_like(q) if out is None else out
+    lse = torch.full((n, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for i, (c, d, pos, off) in enumerate(zip(cell.tolist(), depth.tolist(), position.tolist(), table_offset.tolist())):
+        if pos < 0:
+            continue
+        k, v = row_keys(k_tail, v_tail, tables, page_size, packed, c, d, pos, off)
+        k = k.to(compute).repeat_interleave(gqa, dim=1)  # [L, Hq, D]
+        v = v.to(compute).repeat_interleave(gqa, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[i].to(compute), k) * head_dim ** -0.5
+        lse[i] = torch.logsumexp(scores, dim=-1).float()
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out, (lse if return_lse else None)
+
+
+# --- dispatch -------------------------------------------------------------------------
+
+def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
+    """Triton on CUDA tensors or under TRITON_INTERPRET=1 by default; the reference otherwise."""
+    if use_triton is None:
+        return x.is_cuda or _INTERPRET
+    assert not use_triton or x.is_cuda or _INTERPRET, "Triton runs on CUDA tensors or under TRITON_INTERPRET=1"
+    return use_triton
+
+
+def packed_attention(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
+                     page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
+                     position: torch.Tensor, table_offset: torch.Tensor, *, return_lse: bool = False,
+                     num_splits: int = 1, block_n: int = 32, out: torch.Tensor | None = None,
+                     use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out [N, Hq, D] (q's dtype) and, with return_lse, lse [N, Hq] fp32: each row's
+    attention over keys 0..position as the read rule gives them (module docstring)."""
+    fn = packed_attention_triton if _use_triton(q, use_triton) else packed_attention_reference
+    return fn(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset,
+              return_lse=return_lse, num_splits=num_splits, block_n=block_n, out=out)
+
+
+def read_keys(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, packed: PackedKV,
+              cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor, table_offset: torch.Tensor, keys: int,
+              use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [N, keys, Hkv, D] in the tails' dtype as each row reads them (key j <= its
+    position; zeros elsewhere)."""
+    fn = read_keys_triton if _use_triton(k_tail, use_triton) else read_keys_reference
+    return fn(k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset, keys)

@@ -1,0 +1,432 @@
+"""Packed attention (K/V exact from tail pages or reconstructed from INT4 residual groups):
+the torch reference against a brute force and the FlashLoop reference, the kernel against
+the torch reference.
+
+Runs natively on CUDA and under Triton's interpreter on CPU (tests/conftest.py sets
+TRITON_INTERPRET=1 when there is no GPU); shapes stay small for the interpreter. A case is
+a few request cells of 4 planes with nested rows (absent rows at planes 1..3), plane maps
+that do not start at compact row 0, records in shuffled order, a group without a record,
+seals below, at and above the query positions and NEVER, and query rows of every depth in
+one call: rows that read only exact keys, only reconstructed ones, and both. Tolerances:
+K/V as read bit for bit; outputs fp32 1e-5, fp16 5e-3, bf16 2e-2; lse fp32 1e-5, bf16 and
+fp16 1e-3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+
+import pytest
+import torch
+
+from specloop.kernels.int4_groups import quantize_k_groups, quantize_v_groups, split_k_plane
+from specloop.kernels.packed_attention import (
+    NEVER,
+    PackedKV,
+    key_seals,
+    packed_attention,
+    packed_attention_reference,
+    packed_attention_triton,
+    read_keys,
+    read_keys_reference,
+    reconstruct_keys,
+    row_keys,
+)
+from specloop.model.flashloop_reference import quantize_rows, read_kv, residual_encode, seal_positions
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PLANES = 4
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+LSE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
+
+
+@dataclasses.dataclass
+class Case:
+    q: torch.Tensor
+    k_tail: torch.Tensor
+    v_tail: torch.Tensor
+    tables: torch.Tensor
+    page_size: int
+    packed: PackedKV
+    cell: torch.Tensor
+    depth: torch.Tensor
+    position: torch.Tensor
+    table_offset: torch.Tensor
+
+    def args(self) -> tuple:
+        return (self.q, self.k_tail, self.v_tail, self.tables, self.page_size, self.packed, self.cell,
+                self.depth, self.position, self.table_offset)
+
+    def storage(self) -> tuple:
+        return self.args()[1:]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    differ = _bits(got) != _bits(want)
+    assert not differ.any(), f"{int(differ.sum())} of {got.numel()} differ: {got[differ][:4]} vs {want[differ][:4]}"
+
+
+def _case(seed: int, lengths: list[int], modes: list[str], rows: list[tuple[int, int, int]], heads: int,
+          kv_heads: int, dim: int, dtype: torch.dtype, page_size: int = 16, keep: float = 0.7) -> Case:
+    """Cells of the given lengths; `modes` per cell: "open" (every record NEVER), "sealed"
+    (every record sealed at 0) or "mixed" (NEVER, 0, a random position, a query position of
+    the cell or one past it); rows (cell, depth, position)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    max_len = max(lengths)
+    cells = len(lengths)
+    row_maps = torch.full((cells, PLANES, max_len), -1, dtype=torch.int32)
+    owners: list[tuple[int, int]] = []  # (cell, plane) of each compact group
+    groups_of: dict[tuple[int, int], int] = {}
+    for c, t in enumerate(lengths):
+        has = torch.ones(t, dtype=torch.bool)
+        for p in range(PLANES):
+            if p:
+                has = has & (torch.rand(t, generator=gen) < keep)
+            shift = int(torch.randint(0, 6, (1,), generator=gen))  # compact rows need not start at 0
+            count = int(has.sum())
+            row_maps[c, p, :t][has] = torch.arange(count, dtype=torch.int32) + shift
+            groups_of[c, p] = -(-(count + shift) // 64)
+            owners.extend([(c, p)] * groups_of[c, p])
+    spare = 3  # records no table points at
+    order = torch.randperm(len(owners) + spare, generator=gen).tolist()
+    max_groups = max(groups_of.values())
+    group_tables = torch.full((cells, PLANES, max_groups), -1, dtype=torch.int32)
+    seal = torch.full((len(owners) + spare,), NEVER, dtype=torch.int32)
+    plane_of = torch.zeros(len(owners) + spare, dtype=torch.long)
+    i = 0
+    for c in range(cells):
+        positions = [pos for cc, _, pos in rows if cc == c] or [0]
+        for p in range(PLANES):
+            for g in range(groups_of[c, p]):
+                rec = order[i]
+                i += 1
+                group_tables[c, p, g] = rec
+                plane_of[rec] = p
+                if modes[c] == "sealed":
+                    seal[rec] = 0
+                elif modes[c] == "mixed":
+                    at = positions[int(torch.randint(0, len(positions), (1,), generator=gen))]
+                    seal[rec] = [NEVER, 0, int(torch.randint(0, lengths[c], (1,), generator=gen)), at, at + 1][i % 5]
+        last = groups_of[c, PLANES - 1] - 1  # a deepest-plane group without a record: read exact
+        if c == 0 and last >= 0:
+            group_tables[c, PLANES - 1, last] = -1
+    ng = len(owners) + spare
+    residual = torch.where(plane_of == 0, 1.0, 0.1)  # residuals are small
+    k_rec = rand(ng, 64, kv_heads, dim) * residual[:, None, None, None].to(dtype)
+    v_rec = rand(ng * 64, kv_heads, dim) * residual.repeat_interleave(64)[:, None, None].to(dtype)
+    packed = PackedKV(quantize_k_groups(k_rec, torch.full((ng,), 64)), quantize_v_groups(v_rec), seal,
+                      group_tables, row_maps)
+    # tails: a shuffled page table per (cell, plane)
+    need = [-(-t // page_size) for t in lengths]
+    pages = sum(need) * PLANES + 4
+    perm = torch.randperm(pages, generator=gen).tolist()
+    tables, offsets = [], {}
+    for c in range(cells):
+        for p in range(PLANES):
+            offsets[c, p] = len(tables)
+            tables.extend(perm[len(tables): len(tables) + need[c]])
+    k_tail, v_tail = rand(pages * page_size, kv_heads, dim), rand(pages * page_size, kv_heads, dim)
+    q = rand(len(rows), heads, dim)
+    to = dict(device=DEVICE)
+    col = lambda values: torch.tensor(values, dtype=torch.int32, **to)  # noqa: E731
+    packed = PackedKV(*[type(x)(x.codes.to(DEVICE), x.scale.to(DEVICE), x.lo.to(DEVICE)) for x in (packed.k, packed.v)],
+                      seal.to(DEVICE), group_tables.to(DEVICE), row_maps.to(DEVICE))
+    return Case(q.to(**to), k_tail.to(**to), v_tail.to(**to), col(tables), page_size, packed,
+                col([c for c, _, _ in rows]), col([d for _, d, _ in rows]), col([pos for _, _, pos in rows]),
+                col([offsets[c, d] for c, d, _ in rows]))
+
+
+def _seal_kinds(case: Case) -> set[str]:
+    """Which of below / at / above the query position and NEVER the rows' keys have as seals."""
+    kinds = set()
+    for c, d, pos in zip(case.cell.tolist(), case.depth.tolist(), case.position.tolist()):
+        seal = key_seals(case.packed, c, d, torch.arange(pos + 1, device=DEVICE))
+        kinds |= {name for name, hit in (("below", seal < pos), ("at", seal == pos),
+                                         ("above", (seal > pos) & (seal < NEVER)), ("never", seal == NEVER)) if hit.any()}
+    return kinds
+
+
+def _reads(case: Case) -> list[str]:
+    """Per row: "exact", "reconstructed" or "mixed" (what its keys read)."""
+    kinds = []
+    for c, d, pos in zip(case.cell.tolist(), case.depth.tolist(), case.position.tolist()):
+        sealed = pos >= key_seals(case.packed, c, d, torch.arange(pos + 1, device=DEVICE))
+        kinds.append("reconstructed" if sealed.all() else "mixed" if sealed.any() else "exact")
+    return kinds
+
+
+# --- the reference against a brute force -----------------------------------------------
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _rounder(dtype: torch.dtype):
+    """x (a Python float holding an fp32 value) -> the nearest dtype value."""
+    if dtype == torch.float32:
+        return lambda x: x
+    return lambda x: torch.tensor(x, dtype=torch.float32).to(dtype).item()
+
+
+def _brute_key(s: dict, c: int, d: int, pos: int, off: int, j: int, dtype: torch.dtype) -> tuple[list, list]:
+    """K and V [Hkv][D] of key j for one query row, element by element from the rule."""
+    rnd = _rounder(dtype)
+    seal = NEVER
+    for p in range(d + 1):
+        r = s["row_maps"][c][p][j]
+        if r >= 0:
+            g = s["group_tables"][c][p][r // 64]
+            seal = s["seal"][g] if g >= 0 else NEVER
+    heads, dim = len(s["k_tail"][0]), len(s["k_tail"][0][0])
+    if pos < seal:
+        slot = s["tables"][off + j // s["page_size"]] * s["page_size"] + j % s["page_size"]
+        return s["k_tail"][slot], s["v_tail"][slot]
+    k = [[0.0] * dim for _ in range(heads)]
+    v = [[0.0] * dim for _ in range(heads)]
+    for h in range(heads):
+        for ch in range(dim):
+            xk = xv = None
+            for p in range(d + 1):
+                r = s["row_maps"][c][p][j]
+                if r < 0:
+                    assert p > 0
+                    continue
+                g, i = s["group_tables"][c][p][r // 64], r % 64
+                byte = s["k_codes"][g][i // 2][h][ch]
+                code = byte & 15 if i % 2 == 0 else byte >> 4
+                dk = rnd(_f32(s["k_lo"][g][h][ch] + s["k_scale"][g][h][ch] * code))
+                byte = s["v_codes"][g * 64 + i][h][ch // 2]
+                code = byte & 15 if ch % 2 == 0 else byte >> 4
+                dv = rnd(_f32(s["v_lo"][g * 64 + i][h][ch // 64] + s["v_scale"][g * 64 + i][h][ch // 64] * code))
+                xk = dk if xk is None else rnd(_f32(xk + dk))
+                xv = dv if xv is None else rnd(_f32(xv + dv))
+            k[h][ch], v[h][ch] = xk, xv
+    return k, v
+
+
+def _as_lists(case: Case) -> dict:
+    pk = case.packed
+    return dict(row_maps=pk.row_maps.tolist(), group_tables=pk.group_tables.tolist(), seal=pk.seal.tolist(),
+                k_codes=pk.k.codes.tolist(), k_scale=pk.k.scale.float().tolist(), k_lo=pk.k.lo.float().tolist(),
+                v_codes=pk.v.codes.tolist(), v_scale=pk.v.scale.float().tolist(), v_lo=pk.v.lo.float().tolist(),
+                k_tail=case.k_tail.float().tolist(), v_tail=case.v_tail.float().tolist(),
+                tables=case.tables.tolist(), page_size=case.page_size)
+
+
+def _tiny_rows() -> list[tuple[int, int, int]]:
+    rows = []
+    for d in range(PLANES):
+        rows += [(0, d, 69), (0, d, 30), (1, d, 39), (2, d, 25)]
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_the_rule_key_by_key(dtype):
+    """row_keys bit for bit against the rule applied element by element, and the attention
+    against softmax written out in Python floats."""
+    case = _case(1, [70, 40, 26], ["mixed", "sealed", "open"], _tiny_rows(), 4, 2, 16, dtype)
+    assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
+    assert _seal_kinds(case) == {"below", "at", "above", "never"}
+    s = _as_lists(case)
+    out, lse = packed_attention_reference(*case.args(), return_lse=True)
+    gqa = 2
+    for n, (c, d, pos, off) in enumerate(zip(case.cell.tolist(), case.depth.tolist(), case.position.tolist(),
+                                             case.table_offset.tolist())):
+        keys = [_brute_key(s, c, d, pos, off, j, dtype) for j in range(pos + 1)]
+        k, v = row_keys(*case.storage()[:-4], c, d, pos, off)
+        _same(k, torch.tensor([kj for kj, _ in keys], dtype=dtype, device=DEVICE))
+        _same(v, torch.tensor([vj for _, vj in keys], dtype=dtype, device=DEVICE))
+        for head in range(4):
+            qh = case.q[n, head].float().tolist()
+            scores = [sum(a * b for a, b in zip(qh, kj[head // gqa])) / math.sqrt(16) for kj, _ in keys]
+            top = max(scores)
+            w = [math.exp(x - top) for x in scores]
+            total = sum(w)
+            want = [sum(wj * vj[head // gqa][ch] for wj, (_, vj) in zip(w, keys)) / total for ch in range(16)]
+            torch.testing.assert_close(out[n, head].float(), torch.tensor(want, device=DEVICE).to(dtype).float(),
+                                       atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+            assert abs(float(lse[n, head]) - (top + math.log(total))) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_reference_and_kernel_read_what_flashloop_reads(dtype):
+    """Records encoded from a stack of planes as the FlashLoop reference encodes them (plane
+    0's rows, then each plane's residuals of its compact rows against the reconstruction
+    before): depth d reconstructs as its X^(d+1) bit for bit, and row_keys and (bf16) the
+    kernel's gather read what its `read_kv` reads under its own seal positions (tail 16)."""
+    gen = torch.Generator().manual_seed(5)
+    t, heads, dim, tail, page_size = 150, 2, 16, 16, 16
+    has = [torch.ones(t, dtype=torch.bool)]
+    for _ in range(1, PLANES):
+        has.append(has[-1] & (torch.rand(t, generator=gen) < 0.8))
+    xs, hats = {}, {}
+    for kind in "kv":
+        xs[kind] = [torch.randn(t, heads, dim, generator=gen).to(dtype)]
+        hats[kind] = [quantize_rows(xs[kind][0], kind, 4, 64)]
+        for p in range(1, PLANES):
+            step = (0.2 * torch.randn(t, heads, dim, generator=gen)).to(dtype)
+            xs[kind].append(torch.where(has[p][:, None, None], xs[kind][-1] + step, xs[kind][-1]))
+            hats[kind].append(residual_encode(hats[kind][-1], xs[kind][p], has[p], kind, 4, 64))
+    seals = [seal_positions(None, has[0], 64, tail)]
+    for p in range(1, PLANES):
+        seals.append(seal_positions(seals[-1], has[p], 64, tail))
+    row_maps = torch.full((1, PLANES, t), -1, dtype=torch.int32)
+    k_groups, k_valid, v_rows, group_tables, record_seal = [], [], [], [], []
+    for p in range(PLANES):
+        rows = has[p].nonzero().flatten()
+        row_maps[0, p, rows] = torch.arange(rows.numel(), dtype=torch.int32)
+        delta = {kind: xs[kind][p][rows] - (hats[kind][p - 1][rows] if p else 0) for kind in "kv"}
+        groups, valid = split_k_plane(delta["k"])
+        k_groups.append(groups)
+        k_valid.append(valid)
+        v_rows.append(torch.cat([delta["v"], delta["v"].new_zeros(groups.shape[0] * 64 - rows.numel(), heads, dim)]))
+        group_tables.append([len(record_seal) + g for g in range(groups.shape[0])])
+        record_seal.extend(min(int(seals[p][rows[64 * g]]), NEVER) for g in range(groups.shape[0]))
+    width = max(map(len, group_tables))
+    packed = PackedKV(quantize_k_groups(torch.cat(k_groups), torch.cat(k_valid)), quantize_v_groups(torch.cat(v_rows)),
+                      torch.tensor(record_seal, dtype=torch.int32),
+                      torch.tensor([[g + [-1] * (width - len(g)) for g in group_tables]], dtype=torch.int32), row_maps)
+    pages = -(-t // page_size)  # plane d's table: pages d * pages ..
+    tails = [torch.cat([torch.cat([x, x.new_zeros(pages * page_size - t, heads, dim)]) for x in xs[kind]])
+             for kind in "kv"]
+    tables = torch.arange(PLANES * pages, dtype=torch.int32)
+    j = torch.arange(t)
+    rows = [(d, pos) for d in range(PLANES) for pos in (40, 100, 149)]
+    wants = []
+    for d, pos in rows:
+        for got, kind in zip(reconstruct_keys(packed, 0, d, j, dtype), "kv"):
+            _same(got, hats[kind][d])
+        want = [read_kv(xs[kind][d], hats[kind][d], seals[d], torch.tensor([pos]))[0] for kind in "kv"]
+        got = row_keys(*tails, tables, page_size, packed, 0, d, pos, d * pages)
+        for g, w in zip(got, want):
+            _same(g, w[: pos + 1])
+        wants.append([w.masked_fill(j[:, None, None] > pos, 0.0) for w in want])
+    assert 0 < sum(int((pos >= seals[d]).sum()) for d, pos in rows) < sum(pos + 1 for _, pos in rows)
+    if dtype == torch.float64:  # the kernel takes fp32, bf16 and fp16
+        return
+    col = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    on = lambda x: type(x)(x.codes.to(DEVICE), x.scale.to(DEVICE), x.lo.to(DEVICE))  # noqa: E731
+    packed = PackedKV(on(packed.k), on(packed.v), *(x.to(DEVICE) for x in (packed.seal, packed.group_tables, row_maps)))
+    got = read_keys(*(x.to(DEVICE) for x in tails), tables.to(DEVICE), page_size, packed, col([0] * len(rows)),
+                    col([d for d, _ in rows]), col([pos for _, pos in rows]), col([d * pages for d, _ in rows]), t,
+                    use_triton=True)
+    for g, kind in zip(got, (0, 1)):
+        _same(g.cpu(), torch.stack([w[kind] for w in wants]))
+
+
+# --- the kernel against the reference --------------------------------------------------
+
+def _rows() -> list[tuple[int, int, int]]:
+    """Rows of every depth: long contexts (> block_n) in the mixed cell 0, short and long ones
+    in the sealed cell 1 and the open cell 2."""
+    return [(0, 3, 149), (0, 0, 149), (0, 1, 97), (0, 2, 130), (0, 3, 64), (0, 0, 5),
+            (1, 2, 99), (1, 0, 17), (1, 3, 0), (2, 1, 79), (2, 3, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (2, 2, 64), (4, 2, 128)])
+def test_kernel_matches_reference(dtype, heads, kv_heads, dim):
+    case = _case(dim + heads, [150, 100, 80], ["mixed", "sealed", "open"], _rows(), heads, kv_heads, dim, dtype)
+    assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
+    assert _seal_kinds(case) == {"below", "at", "above", "never"}
+    splits, block_n = (2, 32) if dim == 64 else (1, 64)
+    out, lse = packed_attention_triton(*case.args(), return_lse=True, num_splits=splits, block_n=block_n)
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+    k, v = read_keys(*case.storage(), 150, use_triton=True)
+    want_k, want_v = read_keys_reference(*case.storage(), 150)
+    _same(k, want_k)
+    _same(v, want_v)
+
+
+@pytest.mark.parametrize("splits, block_n", [(1, 16), (3, 16), (4, 64)])
+def test_kernel_splits_and_key_blocks(splits, block_n):
+    """MHA, fp16, page size 8: split-KV with splits past short rows' keys."""
+    rows = [(0, 3, 149), (0, 1, 3), (1, 2, 60), (2, 0, 79)]
+    case = _case(11, [150, 100, 80], ["mixed", "sealed", "open"], rows, 2, 2, 16, torch.float16, page_size=8)
+    out, lse = packed_attention_triton(*case.args(), return_lse=True, num_splits=splits, block_n=block_n)
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    torch.testing.assert_close(out.float(), want.float(), atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def _poisoned(case: Case, n: int) -> Case:
+    """A one-row case in which everything row n does not read is NaN (tail slots of its
+    reconstructed keys, K / V parameters of records and rows it reads exact) or garbage
+    codes; seals, group tables and row maps stay."""
+    c, d, pos, off = (int(x[n]) for x in (case.cell, case.depth, case.position, case.table_offset))
+    j = torch.arange(pos + 1, device=DEVICE)
+    sealed = pos >= key_seals(case.packed, c, d, j)
+    exact = j[~sealed]
+    slots = case.tables[off + exact // case.page_size].long() * case.page_size + exact % case.page_size
+    keep_slot = torch.zeros(case.k_tail.shape[0], dtype=torch.bool, device=DEVICE)
+    keep_slot[slots] = True
+    pk = case.packed
+    keep_rec = torch.zeros(pk.seal.shape[0], dtype=torch.bool, device=DEVICE)
+    keep_pair = torch.zeros(pk.seal.shape[0], 32, dtype=torch.bool, device=DEVICE)
+    keep_v = torch.zeros(pk.seal.shape[0] * 64, dtype=torch.bool, device=DEVICE)
+    for p in range(d + 1):
+        r = pk.row_maps[c, p, j[sealed]].long()
+        r = r[r >= 0]
+        rec = pk.group_tables[c, p, r // 64].long()
+        keep_rec[rec] = True
+        keep_pair[rec, r % 64 // 2] = True
+        keep_v[rec * 64 + r % 64] = True
+    nan = float("nan")
+    k = dataclasses.replace(pk.k, codes=pk.k.codes.masked_fill(~keep_pair[:, :, None, None], 0xFF),
+                            scale=pk.k.scale.masked_fill(~keep_rec[:, None, None], nan),
+                            lo=pk.k.lo.masked_fill(~keep_rec[:, None, None], nan))
+    v = dataclasses.replace(pk.v, codes=pk.v.codes.masked_fill(~keep_v[:, None, None], 0xFF),
+                            scale=pk.v.scale.masked_fill(~keep_v[:, None, None], nan),
+                            lo=pk.v.lo.masked_fill(~keep_v[:, None, None], nan))
+    one = slice(n, n + 1)
+    return Case(case.q[one], case.k_tail.masked_fill(~keep_slot[:, None, None], nan),
+                case.v_tail.masked_fill(~keep_slot[:, None, None], nan), case.tables, case.page_size,
+                PackedKV(k, v, pk.seal, pk.group_tables, pk.row_maps), case.cell[one], case.depth[one],
+                case.position[one], case.table_offset[one])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nothing_a_row_does_not_read_reaches_it(dtype):
+    """Per row: NaN / garbage everywhere it does not read; the kernel (split, short key
+    blocks) and the reference still give the clean result, without a NaN."""
+    rows = [(0, 3, 149), (0, 0, 120), (0, 2, 97), (1, 1, 70), (2, 3, 79)]
+    case = _case(3, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, 16, dtype)
+    assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
+    kernel = dict(return_lse=True, num_splits=2, block_n=16)
+    clean = (packed_attention_triton(*case.args(), **kernel), packed_attention_reference(*case.args(), return_lse=True))
+    for n in range(len(rows)):
+        bad = _poisoned(case, n)
+        dirty = (packed_attention_triton(*bad.args(), **kernel),
+                 packed_attention_reference(*bad.args(), return_lse=True))
+        for (got, lse), (want, want_lse) in zip(dirty, clean):
+            assert not got.isnan().any() and not lse.isnan().any()
+            torch.testing.assert_close(got, want[n:n + 1], atol=0, rtol=0)
+            torch.testing.assert_close(lse, want_lse[n:n + 1], atol=0, rtol=0)
+        k, v = read_keys(*bad.storage(), rows[n][2] + 1, use_triton=True)
+        assert not k.isnan().any() and not v.isnan().any()
+
+
+def test_padding_rows_are_not_written_and_dispatch():
+    rows = [(0, 1, 50), (1, 0, 20), (2, 2, 30)]
+    case = _case(4, [60, 40, 40], ["mixed", "sealed", "open"], rows, 4, 2, 16, torch.float32)
+    case.position[1] = -1
+    sentinel = torch.full_like(case.q, 7.0)
+    out, lse = packed_attention(*case.args(), return_lse=True, out=sentinel)  # the kernel under the interpreter
+    assert torch.equal(out[1], torch.full_like(case.q[1], 7.0))
+    want, want_lse = packed_attention(*case.args(), return_lse=True, use_triton=False)
+    torch.testing.assert_close(out[[0, 2]], want[[0, 2]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[[0, 2]], want_lse[[0, 2]], atol=1e-5, rtol=1e-5)
