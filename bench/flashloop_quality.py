@@ -1,4 +1,4 @@
-"""FlashLoop token-sparse prefill quality against dense prefill, on the shipped default model.
+"""FlashLoop token-sparse prefill and INT4 cross-loop KV residual quality against dense, on the shipped default model.
 
 Usage (device machine, carrying out/stdlib_tokens.npz, the exact training corpus, made with
 `python -m specloop.training.prepare --tokenizer specloop/assets/default_model --streams out/stdlib_tokens.npz`):
@@ -9,6 +9,15 @@ retention 1,1,1,1 must give exactly dense's numbers):
     python bench/flashloop_quality.py --device cpu --streams out/stdlib_tokens.npz --lengths 64 \
         --prompts 2 --windows 16,32 --continuation 8 --greedy-tokens 4 --schedule-windows 16 \
         --schedules 1,1,0.5,0.25 1,1,1,1 --out /tmp/fq.json
+The KV residual configurations (tail 64) and dense only, on the GPU (an estimated 4-5
+minutes on an H200: the KV engines run the torch attention backend, about 32K eager ops a step):
+    PYTHONPATH=$PWD python bench/flashloop_quality.py --streams out/stdlib_tokens.npz \
+        --only-kv --kv-residual --out bench/results/flashloop_quality_kv_h200.json
+CPU smoke run of that part (about 40 s on two cores with OMP_NUM_THREADS=1;
+bench/results/flashloop_quality_kv_cpu_smoke.json):
+    python bench/flashloop_quality.py --device cpu --streams out/stdlib_tokens.npz --lengths 160 \
+        --prompts 2 --continuation 8 --greedy-tokens 4 --only-kv --kv-residual --kv-tails 8,64 \
+        --out /tmp/fqkv.json
 Without --streams the held-out split of the running Python's stdlib is tokenised (other
 files than the model's 3.11.7 corpus on another Python version; the JSON records which).
 
@@ -23,7 +32,12 @@ instead takes evenly spaced offsets of the whole stream, boundaries included.
 Configurations: dense; fixed windows of W prompt tokens (--windows) with --retention
 (default 1,1,0.25,0.10, the RFC's); global selection (one window over the whole prompt)
 with the same retention; and each of --schedule-windows (a window or "global") with each
-alternative retention schedule of --schedules.
+alternative retention schedule of --schedules. --kv-residual adds, per tail T of --kv-tails
+(default 64, the engine's), INT4 cross-loop KV residuals (4 bits, groups of 64, tail T) alone,
+"kv-int4 tT", and with token-sparse prefill at window --kv-window (default 512, the engine's)
+and --retention, "kv-int4 tT + wW". --only-kv (implies --kv-residual) runs dense and those
+only. With groups of 64, a query at position q reads no quantized K/V before q >= 63 + T
+(the first group's seal), so prompts should be well above that.
 
 Measured per configuration and prompt length:
 - teacher-forced loss, through the FlashLoop reference (`flashloop_forward`, plain PyTorch,
@@ -35,17 +49,32 @@ Measured per configuration and prompt length:
   KL(dense || sparse) per position, top-1 agreement with dense's argmax on the C
   positions, top-1 accuracy against the true tokens, and the fraction of prompt
   token-loops computed (from the reference's active sets: sum over loops of active prompt
-  tokens / (loops * P)); all with the checkpoint's exit threshold unless --exit-threshold;
+  tokens / (loops * P); 1.0 with KV residuals alone); all with the checkpoint's exit
+  threshold unless --exit-threshold;
+- for KV residual configurations, the quantization error from the reference's audit: per
+  layer, plane (loop) and K/V, the largest |X^ - X| over the rows stored at that plane
+  (reconstructed against exact, whether or not a query reads them reconstructed yet);
+  reported per plane and K/V as err_max (max over layers and prompts), err_mean (mean over
+  layers and prompts) and, for scale, absmax (mean over layers and prompts of max |X| of
+  the exact K/V at that depth);
 - greedy agreement, through the runtime (`EngineCore`, fp32, same device, one engine per
   configuration, all prompts of a length submitted at once; global selection is a window
-  of max_model_len tokens, which holds every prompt; eager unless --cuda-graphs): the
+  of max_model_len tokens, which holds every prompt; eager unless --cuda-graphs; KV residual
+  configurations run `kv_residual_quantization={"tail": T}` on the torch attention backend,
+  on CUDA too, as the engine's Triton reader of packed planes is not wired in yet, so they
+  are eager; the JSON's configs record each one's backend): the
   fraction of prompts whose --greedy-tokens greedy tokens equal dense's exactly, and the
   mean length of the common prefix with dense's. Cross-checks of runtime against
   reference in the JSON: the fraction of prompts whose first engine token is the
-  reference's argmax at P-1 (1.0 up to fp32 near-ties; a warning is printed otherwise) and,
-  where the engine counts them, the computed fraction from its skipped prompt token-loops.
+  reference's argmax at P-1 (1.0 up to fp32 near-ties; a warning is printed otherwise), the
+  largest difference over prompts between the engine's logprob of that token and the
+  reference's (fp32 rounding; an engine that ignored a feature would be off by the
+  feature's own effect, which the KV residual configurations' greedy tokens alone rarely
+  show) and, where the engine counts them, the computed fraction from its skipped prompt
+  token-loops.
 The table printed at the end: per configuration and length, Δloss % ± paired std-err,
-top-1 agreement and mean greedy prefix; then the computed fraction and the worst Δloss %.
+top-1 agreement and mean greedy prefix; then the computed fraction and the worst Δloss %;
+then, for KV residual configurations, err_mean / err_max per K/V and plane over all lengths.
 """
 
 from __future__ import annotations
@@ -67,7 +96,9 @@ import torch
 from specloop.checkpoint import load_model, load_tokenizer
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.model.flashloop_reference import DENSE, FlashLoopFeatures, SparsePrefill, flashloop_forward
+from specloop.flashloop.config import DEFAULT_WINDOW, RESIDUAL_BITS, RESIDUAL_GROUP
+from specloop.model.flashloop_reference import FlashLoopAudit, FlashLoopFeatures, KVResidual, SparsePrefill, \
+    flashloop_forward
 from specloop.sampling_params import SamplingParams
 from specloop.training.token_data import ENDOFTEXT_ID
 
@@ -82,21 +113,42 @@ def log(msg: str) -> None:
 class Config:
     name: str
     window: int | None = None  # None with retention: global selection
-    retention: tuple[float, ...] | None = None  # None: dense
-
-    @property
-    def dense(self) -> bool:
-        return self.retention is None
+    retention: tuple[float, ...] | None = None  # None: dense prefill
+    kv_tail: int | None = None  # None: exact K/V; T: INT4 cross-loop KV residuals with tail T
 
     def features(self) -> FlashLoopFeatures:
-        if self.dense:
-            return DENSE
-        return FlashLoopFeatures(token_sparse_prefill=SparsePrefill(window=self.window, retention=self.retention))
+        sparse = None if self.retention is None else SparsePrefill(window=self.window, retention=self.retention)
+        kv = None if self.kv_tail is None else KVResidual(bits=RESIDUAL_BITS, group_size=RESIDUAL_GROUP,
+                                                          tail=self.kv_tail)
+        return FlashLoopFeatures(token_sparse_prefill=sparse, kv_residual=kv)
 
     def engine_group(self, max_model_len: int) -> dict[str, Any] | None:
-        if self.dense:
+        if self.retention is None:
             return None
         return {"window": self.window if self.window is not None else max_model_len, "retention": list(self.retention)}
+
+    def engine_options(self, max_model_len: int) -> dict[str, Any]:
+        """This configuration's engine options beyond the shared ones."""
+        out: dict[str, Any] = {}
+        group = self.engine_group(max_model_len)
+        if group is not None:
+            out["token_sparse_prefill"] = group
+        if self.kv_tail is not None:
+            # The engine reads packed residual planes through the torch backend only so far.
+            out["kv_residual_quantization"] = {"tail": self.kv_tail}
+            out["attention_backend"] = "torch"
+        return out
+
+    def record(self, max_model_len: int) -> dict[str, Any]:
+        """What the JSON says about this configuration."""
+        options = self.engine_options(max_model_len)
+        kv = self.features().kv_residual
+        return {"name": self.name, "window": self.window,
+                "retention": None if self.retention is None else list(self.retention),
+                "kv_residual": None if kv is None else dataclasses.asdict(kv),
+                "engine_token_sparse_prefill": options.get("token_sparse_prefill"),
+                "engine_kv_residual_quantization": options.get("kv_residual_quantization"),
+                "engine_attention_backend": options.get("attention_backend", "auto")}
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -110,14 +162,22 @@ def _fmt_retention(r: tuple[float, ...]) -> str:
 def build_configs(args: argparse.Namespace) -> list[Config]:
     base = _floats(args.retention)
     configs = [Config("dense")]
-    configs += [Config(f"w{w}", w, base) for w in args.windows]
-    if not args.no_global:
-        configs.append(Config("global", None, base))
-    for sched in args.schedules:
-        r = _floats(sched)
-        for w in args.schedule_windows:
-            window = None if w == "global" else int(w)
-            configs.append(Config(f"{'global' if window is None else f'w{window}'} r={_fmt_retention(r)}", window, r))
+    if not args.only_kv:
+        configs += [Config(f"w{w}", w, base) for w in args.windows]
+        if not args.no_global:
+            configs.append(Config("global", None, base))
+        for sched in args.schedules:
+            r = _floats(sched)
+            for w in args.schedule_windows:
+                window = None if w == "global" else int(w)
+                configs.append(Config(f"{'global' if window is None else f'w{window}'} r={_fmt_retention(r)}",
+                                      window, r))
+    if args.kv_residual or args.only_kv:
+        for t in args.kv_tails:
+            if t < 1:
+                raise SystemExit(f"--kv-tails: a tail must be a positive number of tokens, got {t}")
+            configs.append(Config(f"kv-int4 t{t}", kv_tail=t))
+            configs.append(Config(f"kv-int4 t{t} + w{args.kv_window}", args.kv_window, base, kv_tail=t))
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise SystemExit(f"duplicate configurations: {names}")
@@ -181,15 +241,41 @@ def prompt_starts(stream: np.ndarray, need: int, count: int, cross_files: bool) 
 @torch.no_grad()
 def score(weights: dict[str, torch.Tensor], mcfg: Any, prompt: torch.Tensor, cont: torch.Tensor,
           features: FlashLoopFeatures, exit_threshold: float | None) -> dict[str, Any]:
-    """Continuation log-probs [C, V] (fp64), per-token NLL [C] and the computed fraction."""
+    """Continuation log-probs [C, V] (fp64), per-token NLL [C], the computed fraction and,
+    with KV residuals, the reconstruction errors (`reconstruction_errors`)."""
     p = prompt.numel()
     ids = torch.cat([prompt, cont[:-1]])
     out = flashloop_forward(weights, mcfg, ids, p, features, exit_threshold)
     logp = torch.log_softmax(out.logits[p - 1:].double(), -1)
     nll = -logp.gather(-1, cont[:, None]).squeeze(-1)
     computed = float(out.active[:, :p].sum()) / (out.active.shape[0] * p)
+    recon = None if features.kv_residual is None else reconstruction_errors(out.audit)
     del out
-    return {"logp": logp, "nll": nll, "computed": computed}
+    return {"logp": logp, "nll": nll, "computed": computed, "recon": recon}
+
+
+def reconstruction_errors(audit: FlashLoopAudit) -> dict[tuple[str, int], dict[str, list[float]]]:
+    """Per (K/V, plane): each layer's max |X^ - X| over the rows stored at that plane ("err")
+    and max |X| of its exact K/V at that depth ("absmax")."""
+    out: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for (layer, plane, kind), err in sorted(audit.reconstruction_error.items()):
+        exact = (audit.loop_keys if kind == "k" else audit.loop_values)[plane - 1, layer]  # [T, Hkv, D]
+        row = out.setdefault((kind, plane), {"err": [], "absmax": []})
+        row["err"].append(err)
+        row["absmax"].append(float(exact.abs().max()))
+    return out
+
+
+def summarise_reconstruction(per_prompt: list[dict[tuple[str, int], dict[str, list[float]]]]
+                             ) -> dict[str, dict[str, dict[str, float]]]:
+    """{"k" | "v": {plane: {err_max, err_mean, absmax}}} over layers and prompts."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, plane in sorted(per_prompt[0]):
+        err = [e for r in per_prompt for e in r[(kind, plane)]["err"]]
+        absmax = [a for r in per_prompt for a in r[(kind, plane)]["absmax"]]
+        out.setdefault(kind, {})[str(plane)] = {"err_max": max(err), "err_mean": float(np.mean(err)),
+                                                "absmax": float(np.mean(absmax))}
+    return out
 
 
 def _stats(values: list[float]) -> tuple[float, float | None]:
@@ -200,15 +286,24 @@ def _stats(values: list[float]) -> tuple[float, float | None]:
 
 # --- greedy through the engine ----------------------------------------------------------
 
+@dataclasses.dataclass
+class GreedyRun:
+    """One configuration's engine run of one length's prompts."""
+
+    tokens: list[list[int]]  # per prompt
+    first_logprobs: list[float]  # per prompt: the engine's logprob of its first token
+    skipped: int | None  # engine prompt token-loops skipped (None where it does not count them)
+    seconds: float
+
+
 def greedy_runs(args: argparse.Namespace, configs: list[Config], prompts: dict[int, list[list[int]]],
-                max_model_len: int, num_loops: int) -> dict[str, dict[int, Any]]:
-    """{config: {length: (per-prompt token lists, engine prompt token-loops skipped or None)}}."""
-    params = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True)
+                max_model_len: int, num_loops: int) -> dict[str, dict[int, GreedyRun]]:
+    params = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
     n = max(len(v) for v in prompts.values())
     block = 16
     longest = max(prompts) + args.greedy_tokens
     pages = (n * num_loops * (-(-longest // block) + 2)) * 5 // 4 + 64
-    out: dict[str, dict[int, Any]] = {}
+    out: dict[str, dict[int, GreedyRun]] = {}
     for cfg in configs:
         kw: dict[str, Any] = dict(device=args.device, dtype="float32", max_model_len=max_model_len, block_size=block,
                                   num_kv_pages=pages, max_num_seqs=max(n, 1),
@@ -216,9 +311,7 @@ def greedy_runs(args: argparse.Namespace, configs: list[Config], prompts: dict[i
                                   enforce_eager=not args.cuda_graphs)
         if args.exit_threshold is not None:
             kw["exit_threshold"] = args.exit_threshold
-        group = cfg.engine_group(max_model_len)
-        if group is not None:
-            kw["token_sparse_prefill"] = group
+        kw.update(cfg.engine_options(max_model_len))
         engine = EngineCore(EngineConfig.from_kwargs(str(args.model), **kw))
         out[cfg.name] = {}
         for length, batch in prompts.items():
@@ -226,17 +319,22 @@ def greedy_runs(args: argparse.Namespace, configs: list[Config], prompts: dict[i
             t0 = time.perf_counter()
             for i, ids in enumerate(batch):
                 engine.add_request(f"L{length}-{i}", ids, params)
-            tokens: dict[str, list[int]] = {f"L{length}-{i}": [] for i in range(len(batch))}
+            rids = [f"L{length}-{i}" for i in range(len(batch))]
+            tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+            logprobs: dict[str, list[float]] = {rid: [] for rid in rids}
             while engine.has_unfinished():
                 for o in engine.step():
                     if o.error is not None:
                         raise RuntimeError(f"{cfg.name} {o.request_id}: {o.error}")
                     tokens[o.request_id].extend(o.token_ids)
+                    logprobs[o.request_id].extend(o.logprobs or [])
             skipped_after = getattr(engine.stats(), "prefill_rows_skipped", None)
             skipped = None if skipped_before is None else skipped_after - skipped_before
-            out[cfg.name][length] = ([tokens[f"L{length}-{i}"] for i in range(len(batch))], skipped)
+            seconds = time.perf_counter() - t0
+            out[cfg.name][length] = GreedyRun([tokens[r] for r in rids], [logprobs[r][0] for r in rids], skipped,
+                                              seconds)
             log(f"greedy {cfg.name:22s} L={length:5d}: {len(batch)} prompts x {args.greedy_tokens} tokens "
-                f"in {time.perf_counter() - t0:.1f}s")
+                f"in {seconds:.1f}s")
         del engine
         gc.collect()
         if args.device.startswith("cuda"):
@@ -272,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alternative retention schedules, each comma-separated")
     p.add_argument("--schedule-windows", type=lambda s: s.split(","), default=["256", "512"],
                    help="windows (or 'global') the alternative schedules run at")
+    p.add_argument("--kv-residual", action="store_true",
+                   help="add INT4 cross-loop KV residuals per --kv-tails, alone and with sparse prefill at --kv-window")
+    p.add_argument("--kv-tails", type=lambda s: [int(x) for x in s.split(",")], default=[64],
+                   help="tails of the KV residual configurations (positions past a group's last row before it is read "
+                        "quantized)")
+    p.add_argument("--kv-window", type=int, default=DEFAULT_WINDOW,
+                   help="window of the KV residual + sparse prefill configurations (with --retention)")
+    p.add_argument("--only-kv", action="store_true", help="dense and the KV residual configurations only")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens through the engine (0: skip)")
     p.add_argument("--exit-threshold", type=float, default=None, help="default: the checkpoint's")
     p.add_argument("--cross-files", action="store_true", help="evenly spaced stream offsets, file boundaries included")
@@ -303,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.continuation < 1:
         raise SystemExit("--continuation must be at least 1")
     max_model_len = min(context, max(args.lengths) + extra)
+    for t in sorted({c.kv_tail for c in configs if c.kv_tail is not None}):
+        unread = [n for n in args.lengths if n + extra - 1 < RESIDUAL_GROUP - 1 + t]
+        if unread:
+            log(f"warning: with tail {t} no query of prompt lengths {unread} reads quantized K/V (the first group "
+                f"seals at position {RESIDUAL_GROUP - 1 + t}): those KV residual numbers equal dense's")
 
     stream, corpus, paths = heldout_stream(args, tokenizer)
     corpus["python"] = platform.python_version()
@@ -328,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             placement[str(length)].append(row)
 
     # Teacher-forced loss through the reference: dense first, then every configuration.
-    raw: dict[str, dict[int, dict[str, list]]] = {c.name: {n: {"loss": [], "agree": [], "acc": [], "kl": [],
-                                                               "computed": [], "first": []} for n in args.lengths}
+    fields = ("loss", "agree", "acc", "kl", "computed", "first", "first_logp", "recon", "seconds")
+    raw: dict[str, dict[int, dict[str, list]]] = {c.name: {n: {f: [] for f in fields} for n in args.lengths}
                                                   for c in configs}
     for length in args.lengths:
         t0 = time.perf_counter()
@@ -338,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             ct = torch.tensor(cont, device=device)
             base = None
             for c in configs:
+                t1 = time.perf_counter()
                 r = score(weights, mcfg, pt, ct, c.features(), args.exit_threshold)
                 if base is None:
                     base = r
@@ -350,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["kl"].append(float(kl))
                 row["computed"].append(r["computed"])
                 row["first"].append(int(top[0]))  # the reference's first greedy token
+                row["first_logp"].append(r["logp"][0].cpu())
+                if r["recon"] is not None:
+                    row["recon"].append(r["recon"])
+                row["seconds"].append(time.perf_counter() - t1)
             deltas = " ".join(f"{c.name}:{raw[c.name][length]['loss'][-1] - raw['dense'][length]['loss'][-1]:+.4f}"
                               for c in configs[1:])
             log(f"loss L={length:5d} prompt {i + 1}/{len(prompts[length])}: dense "
@@ -385,24 +501,32 @@ def main(argv: list[str] | None = None) -> int:
                 "top1_agree_dense": float(np.mean(row["agree"])),
                 "top1_acc": float(np.mean(row["acc"])),
                 "computed_fraction": float(np.mean(row["computed"])),
+                "reference_seconds": float(np.sum(row["seconds"])),
                 "per_prompt": {"loss": row["loss"], "delta_loss": diffs, "top1_agree_dense": row["agree"],
                                "kl_from_dense": row["kl"], "computed_fraction": row["computed"]},
             }
+            if row["recon"]:
+                entry["reconstruction_error"] = summarise_reconstruction(row["recon"])
             if greedy is not None:
-                mine, skipped = greedy[c.name][length]
-                ref = greedy["dense"][length][0]
+                run = greedy[c.name][length]
+                mine, ref = run.tokens, greedy["dense"][length].tokens
                 prefix = [common_prefix(a, b) for a, b in zip(mine, ref)]
                 entry["greedy_exact_fraction"] = float(np.mean([a == b for a, b in zip(mine, ref)]))
                 entry["greedy_prefix_mean"] = float(np.mean(prefix))
+                entry["greedy_seconds"] = run.seconds
                 entry["per_prompt"]["greedy_prefix"] = prefix
                 entry["per_prompt"]["greedy_tokens"] = mine
-                # A cross-check of runtime against reference: the first greedy token is the
-                # argmax of the reference's logits at P-1 (up to fp32 near-ties).
+                entry["per_prompt"]["engine_first_logprob"] = run.first_logprobs
+                # Cross-checks of runtime against reference: the first greedy token is the
+                # argmax of the reference's logits at P-1 (up to fp32 near-ties), and its
+                # logprob is the reference's (to fp32 rounding; dense's differs where a feature acts).
                 entry["engine_first_token_matches_reference"] = float(np.mean(
                     [bool(m) and m[0] == f for m, f in zip(mine, row["first"])]))
-                if skipped is not None:
+                entry["engine_first_logprob_max_abs_diff"] = max(
+                    abs(lp - float(logp[m[0]])) for lp, m, logp in zip(run.first_logprobs, mine, row["first_logp"]))
+                if run.skipped is not None:
                     total = mcfg.num_loops * length * len(mine)
-                    entry["engine_computed_fraction"] = 1.0 - skipped / total
+                    entry["engine_computed_fraction"] = 1.0 - run.skipped / total
             results[c.name][str(length)] = entry
 
     record = {
@@ -417,8 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                      if args.exit_threshold is not None else mcfg.early_exit_threshold,
                      "engine_max_model_len": max_model_len, "engine_cuda_graphs": args.cuda_graphs,
                      "dtype": "float32"},
-        "configs": [{"name": c.name, "window": c.window, "retention": None if c.retention is None else list(c.retention),
-                     "engine_token_sparse_prefill": c.engine_group(max_model_len)} for c in configs],
+        "configs": [c.record(max_model_len) for c in configs],
         "prompts": placement,
         "results": results,
         "seconds": time.perf_counter() - START,
@@ -426,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print_table(configs, args.lengths, results, greedy is not None)
+    print_reconstruction(configs, args.lengths, results)
     off = [(c.name, n) for c in configs for n in args.lengths
            if results[c.name][str(n)].get("engine_first_token_matches_reference", 1.0) < 1.0]
     if off:
@@ -456,6 +580,28 @@ def print_table(configs: list[Config], lengths: list[int], results: dict[str, di
             worst = max(worst, e["delta_loss_pct"])
         comp = float(np.mean([results[c.name][str(n)]["computed_fraction"] for n in lengths]))
         print(line + f"| {comp:5.3f}  {worst:+7.2f}")
+    if greedy and any(c.kv_tail is not None for c in configs):
+        print("(greedy of the kv-int4 configurations: the engine's torch attention backend, eager)")
+
+
+def print_reconstruction(configs: list[Config], lengths: list[int], results: dict[str, dict[str, Any]]) -> None:
+    """Per KV residual configuration, K/V and plane: err_mean / err_max over layers, prompts
+    and lengths (err: a layer's max |X^ - X| over the plane's rows), and absmax (mean max |X|)."""
+    kv = [c for c in configs if c.kv_tail is not None]
+    if not kv:
+        return
+    planes = sorted(results[kv[0].name][str(lengths[0])]["reconstruction_error"]["k"], key=int)
+    print("reconstruction error per plane: err_mean/err_max of absmax")
+    print(f"{'':28s}" + "".join(f"| {'plane ' + p:23s}" for p in planes))
+    for c in kv:
+        for kind in "kv":
+            line = f"{c.name:24s} {kind.upper():3s}"
+            for plane in planes:
+                rows = [results[c.name][str(n)]["reconstruction_error"][kind][plane] for n in lengths]
+                mean = float(np.mean([r["err_mean"] for r in rows]))
+                worst = max(r["err_max"] for r in rows)
+                line += f"| {mean:.4f}/{worst:.4f} of {float(np.mean([r['absmax'] for r in rows])):5.2f} "
+            print(line)
 
 
 if __name__ == "__main__":
