@@ -352,7 +352,7 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, dim):
     _same(v, want_v)
 
 
-@pytest.mark.parametrize("splits, block_n", [(1, 16), (3, 16), (4, 64)])
+@pytest.mark.parametrize("splits, block_n", [(1, 32), (3, 32), (4, 64)])
 def test_kernel_splits_and_key_blocks(splits, block_n):
     """MHA, fp16, page size 8: split-KV with splits past short rows' keys."""
     rows = [(0, 3, 149), (0, 1, 3), (1, 2, 60), (2, 0, 79)]
@@ -406,7 +406,7 @@ def test_nothing_a_row_does_not_read_reaches_it(dtype):
     rows = [(0, 3, 149), (0, 0, 120), (0, 2, 97), (1, 1, 70), (2, 3, 79)]
     case = _case(3, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, 16, dtype)
     assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
-    kernel = dict(return_lse=True, num_splits=2, block_n=16)
+    kernel = dict(return_lse=True, num_splits=2, block_n=32)
     clean = (packed_attention_triton(*case.args(), **kernel), packed_attention_reference(*case.args(), return_lse=True))
     for n in range(len(rows)):
         bad = _poisoned(case, n)

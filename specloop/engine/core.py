@@ -157,7 +157,9 @@ class EngineCore:
                      mcfg.head_dim, self.model.dtype, device)
         self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
                                     mcfg.num_key_value_heads, residuals)
-        graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
+        # no CUDA graphs for the INT4 residual passes yet (their encoding candidates vary per call)
+        graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager \
+            and residuals is None
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
                                       -(-self.max_model_len // config.block_size), config.block_size, device,

@@ -371,7 +371,9 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_tail.shape[1]
     gqa = num_heads // num_kv_heads
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 16 (tl.dot)"
+    # 16 compiles under the interpreter but crashes Triton's layout pass on the H200 (an MLIR
+    # failure in TritonGPURemoveLayoutConversions, fp16 MHA head dim 16, seen at 7464ba2)
+    assert block_n >= 32 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 32"
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(n, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
     if n == 0:

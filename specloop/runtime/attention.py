@@ -26,6 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from specloop.errors import ConfigError
+from specloop.kernels.packed_attention import packed_attention
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
@@ -182,6 +183,8 @@ class TritonMeta:
     tiles: torch.Tensor
     tile_rows: int
     num_splits: int
+    residual: _Readers | None = None
+    table_offsets: torch.Tensor | None = None
 
 
 class TritonAttention:
@@ -194,8 +197,10 @@ class TritonAttention:
     name = "triton"
     SMALL_M, LARGE_M = 16, 64
 
-    def __init__(self, kv: PagedKV, num_heads: int, num_kv_heads: int, device: torch.device) -> None:
+    def __init__(self, kv: PagedKV, num_heads: int, num_kv_heads: int, device: torch.device,
+                 residuals: PackedResiduals | None = None) -> None:
         self.kv = kv
+        self.residuals = residuals
         self.num_kv_heads = num_kv_heads
         g = block_g(num_heads, num_kv_heads)
         self.tile_rows = (max(1, self.SMALL_M // g), max(1, self.LARGE_M // g))
@@ -204,13 +209,26 @@ class TritonAttention:
     def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TritonMeta:
         assert lp.tiles is not None, "the forward batch was built without query tiles"
         splits = lp.num_splits
+        longest = max((s.context for s in lp.groups), default=0)
+        if lp.encode_plan is not None:  # the packed reader: a program per row, not per tile
+            readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
+            splits = choose_splits(lp.num_rows, self.num_kv_heads, longest, self.num_sms)
+            return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
+                              readers, lp.table_offsets)
         if splits is None:  # eager: from this call's tiles and longest context
-            longest = max((s.context for s in lp.groups), default=0)
             splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
+        res = meta.residual
+        if res is not None:  # encode the pass's ready groups, then read each key exact or packed
+            store = self.residuals
+            store.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
+            out, _ = packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
+                                      store.layer_view(layer), res.cells, res.depths, res.positions,
+                                      meta.table_offsets, num_splits=meta.num_splits)
+            return out
         out, _ = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, meta.tiles,
                                  self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits)
         return out
@@ -226,13 +244,11 @@ def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int,
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return TorchAttention(kv, residuals)
-    if residuals is not None:
-        raise ConfigError("kv_residual_quantization reads through the torch attention backend so far (the Triton "
-                          "packed-KV reader is not wired in yet): use attention_backend 'torch'")
+
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU, "
                           "for tests: slow)")
-    return TritonAttention(kv, num_heads, num_kv_heads, device)
+    return TritonAttention(kv, num_heads, num_kv_heads, device, residuals)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -43,6 +43,7 @@ import torch
 
 from specloop.kernels import int4_groups
 from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
+from specloop.kernels.packed_attention import PackedKV
 
 NEVER = 2**31 - 1  # seal of a group no query reads reconstructed (not encoded yet)
 
@@ -87,6 +88,12 @@ class PackedResiduals:
         self.encoded = torch.zeros(num_cells, num_planes, dtype=torch.long, device=device)
         self.sink = num_records
         self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
+
+    def layer_view(self, layer: int) -> PackedKV:
+        """One layer's records, seals and tables, as the packed attention kernel reads them."""
+        return PackedKV(KGroups(self.k_codes[layer], self.k_scale[layer], self.k_lo[layer]),
+                        VGroups(self.v_codes[layer], self.v_scale[layer], self.v_lo[layer]),
+                        self.seal, self.group_tables, self.row_maps)
 
     # --- cost ---------------------------------------------------------------------------
 
@@ -270,4 +277,3 @@ def _flat(groups: VGroups) -> VGroups:
     return VGroups(*(t.reshape(-1, *t.shape[len(lead):]) for t in (groups.codes, groups.scale, groups.lo)))
 
 
-__all__ = ["NEVER", "EncodePlan", "KGroups", "PackedResiduals"]

@@ -232,7 +232,7 @@ class Scheduler:
     def _can_admit(self, req: Request) -> bool:
         if self.reserve_max_tokens:
             return self.kv.can_admit(req.reserve_tokens)
-        tokens = min(req.num_host_tokens + self.kv.block_size, req.reserve_tokens)
+        tokens = min(self._prompt_cover(req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
         records = self.kv.records
         if records is not None and records.records_for(None, tokens) > records.num_free:
@@ -255,7 +255,7 @@ class Scheduler:
                 return admitted  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0)
-            self.kv.ensure(req.kv_key, req.num_host_tokens)  # the prompt's pages, now
+            self.kv.ensure(req.kv_key, self._prompt_cover(req.num_host_tokens))  # the prompt's pages, now
             req.cell = self.cells.take()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -269,7 +269,16 @@ class Scheduler:
         frontier (a draft row, a pipeline's newest token)."""
         if req.speculating:
             return min(self.kv.frontier(req.kv_key, 0) + 1, req.reserve_tokens)
+        if self.kv.records is not None:  # one plan's worth of prompt rows at a time (see _prompt_cover)
+            return min(req.num_tokens, self.kv.frontier(req.kv_key, 0) + self.max_rows)
         return req.num_tokens
+
+    def _prompt_cover(self, prompt_tokens: int) -> int:
+        """Positions a prompt's tables cover at admission: all of them, except with INT4
+        residuals, whose BF16 tail pages go back as the prompt's groups seal: there a prompt
+        takes pages one plan's rows at a time (`_need`), so its BF16 working set is the
+        wavefront's span, not the whole prompt."""
+        return min(prompt_tokens, self.max_rows) if self.kv.records is not None else prompt_tokens
 
     def _make_room(self) -> set[int]:
         """Grow every running request's tables to `_need`, oldest first, preempting the
