@@ -1,0 +1,344 @@
+"""Encoding one plane's ready groups of INT4 cross-loop KV residuals into their records,
+in Triton (one launch), with its torch reference.
+
+    encode_groups(k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready,
+                  table_offsets, k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, group_tables, row_maps)
+
+What `PackedResiduals.encode` (`specloop.runtime.kv_residual`) does for one layer and one
+plane, without its ~75 small torch ops a plane. DT is the model dtype (the tails'), Hkv KV
+heads, D the head dim (even), GROUP = 64, P planes, NG + 1 records (the last one, NG, is
+the sink: `sink` names another one). The caller slices the layer:
+
+- k_tail, v_tail [S, Hkv, D] DT: the exact values (one layer of the BF16 tail pages);
+  position j of candidate m sits at slot tables[max(table_offsets[m], 0) + j // page_size]
+  * page_size + j % page_size (its plane's page table, as in `paged_attention`).
+- The candidates of plane `plane`, M of them: cells [M], positions [M, 64] (the group's
+  rows, in row order), records [M] (where it encodes), ready [M] bool, table_offsets [M].
+- The records of the layer, written in place: k_codes uint8 [NG + 1, 32, Hkv, D],
+  k_scale / k_lo fp16 [NG + 1, Hkv, D], v_codes uint8 [(NG + 1) * 64, Hkv, D / 2],
+  v_scale / v_lo fp16 [(NG + 1) * 64, Hkv, ceil(D / 64)] (`int4_groups` layouts).
+- group_tables int32 [C, P, MAXG], row_maps int32 [C, P, MAXLEN]: read to reconstruct.
+
+For each READY candidate m (the others write nothing, not even the sink):
+  1. X = the exact K and V of its 64 rows, from the tail.
+  2. plane > 0: X = DT(fp32(X) - fp32(X^)), X^ the rows reconstructed at plane - 1 as
+     `PackedResiduals.reconstruct` does: the plane-0 row's decode (the sink's row 0 where
+     a position has no plane-0 row), then for each plane 1..plane - 1 where the position
+     has a row, X^ = DT(fp32(X^) + fp32(dq)); dq = DT(lo16 + scale16 * code) in fp32 (a
+     product and an add, never fused). A row whose record is the sink reads the sink.
+  3. K quantized per channel over the 64 rows, V per row over 64-channel groups, by the
+     codec's arithmetic (`int4_groups`: fp16 lo / scale rounded first, scale at least
+     2^-24, round half to even, codes 0..15, constant groups scale 1 and codes 0), written
+     into record records[m]: every byte of its K codes, K scale and lo, and its 64 V rows.
+`PackedResiduals.encode` writes the same bytes into every record but the sink (it sends
+its not-ready candidates there); the tests compare every byte of the pools.
+
+Planes. Plane p's residuals read the reconstruction of planes < p, which may include
+groups encoded for plane p - 1 in the same forward call, so plane p - 1's launch must
+finish before plane p's: one launch per plane, at most P (4) a layer in place of ~300
+torch ops, in plane order on one stream (a plane without candidates: none). (One launch for every plane would need programs of plane p to wait for those
+of plane p - 1 of the same cell: not done.) A layer's encode, as the runtime would call it:
+
+    for p in range(len(plan.cells)):
+        if plan.cells[p].numel():
+            encode_groups(k_tail, v_tail, tables, page_size, p, plan.cells[p], plan.positions[p],
+                          plan.records[p], plan.ready[p], plan.table_offsets[p], store.k_codes[layer],
+                          store.k_scale[layer], store.k_lo[layer], store.v_codes[layer],
+                          store.v_scale[layer], store.v_lo[layer], store.group_tables, store.row_maps)
+
+Kernel: a program per (candidate, KV head, K or V); a not-ready candidate's programs
+return at once. K: the 64 rows as even and odd rows ([32, D] each: the two nibbles of a
+code byte), statistics per channel over both; V: [64 rows, groups, 32] tiles of even and
+odd channels, statistics per (row, group). Reconstruction walks planes 0..plane - 1 as a
+static loop (plane is a constexpr: a compiled variant per plane), each element's code,
+scale and lo gathered from its row's record, as `packed_attention` reads keys. The codec's
+`_stats` and `_code` are shared with `int4_groups`. No host sync in `encode_groups_triton`.
+
+Precision: FMA contraction is off for the launch (the decode must not fuse). Under
+`TRITON_INTERPRET=1` the fp32 -> bf16 cast truncates, so the DT roundings of the
+reconstruction and the subtraction are done by hand on the bits there (as `int4_groups`
+does); only fp16 and uint8 are stored. NOT RUN ON CUDA YET: checked under the interpreter
+only (tests/test_kernels_residual_encode.py runs unchanged on CUDA when present); not
+timed. Not checked on the device: ready candidates' records and positions in range, and
+that their reconstruction reads only encoded groups (`plan_encode` guarantees it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from specloop.kernels import DTYPES
+from specloop.kernels.int4_groups import (
+    GROUP,
+    PAIRS,
+    VGroups,
+    _code,
+    _stats,
+    dequantize_v_groups_reference,
+    quantize_k_groups_reference,
+    quantize_v_groups_reference,
+)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_PLANES = 4
+REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch reference also takes fp64
+
+
+# --- Triton ---------------------------------------------------------------------------
+
+@triton.jit
+def _to_dt(v, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """fp32 v rounded to DTYPE to nearest even, returned as fp32 (by hand on the bits for
+    bf16 under the interpreter, whose cast truncates; NaN stays NaN)."""
+    if BF16_BY_HAND:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _dequantized(pos, c, ok, base, plane, head, sink, codes_ptr, scale_ptr, lo_ptr, group_tables_ptr,
+                 row_maps_ptr, num_kv_heads, max_groups, max_len,
+                 IS_V: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr, DTYPE: tl.constexpr,
+                 BF16_BY_HAND: tl.constexpr):
+    """(dq, has): the decode at channels c of the rows positions `pos` have in `plane` (fp32
+    holding DT) and whether they have one; a row without one reads the sink's row 0."""
+    at = (base + plane) * max_len + pos  # (cell, plane, position) of the row maps
+    row = tl.load(row_maps_ptr + at)
+    has = row >= 0
+    row = tl.where(has, row, 0)
+    record = tl.load(group_tables_ptr + (base + plane) * max_groups + row // 64)
+    record = tl.where(has, record, sink).to(tl.int64)
+    i = row % 64  # in-group row
+    if IS_V:
+        # byte (record * 64 + i, head, c // 2), the channel's nibble; scale / lo per 64 channels
+        vrow = (record * 64 + i) * num_kv_heads + head
+        byte = tl.load(codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, mask=ok, other=0).to(tl.int32)
+        code = (byte >> (4 * (c % 2))) & 0xF
+        meta = vrow * V_GROUPS + c // 64
+    else:
+        # byte (record, i // 2, head, c), the row's nibble; scale / lo (record, head, c)
+        byte = tl.load(codes_ptr + ((record * 32 + i // 2) * num_kv_heads + head) * HEAD_DIM + c, mask=ok,
+                       other=0).to(tl.int32)
+        code = (byte >> (4 * (i % 2))) & 0xF
+        meta = (record * num_kv_heads + head) * HEAD_DIM + c
+    scale = tl.load(scale_ptr + meta, mask=ok, other=1.0).to(tl.float32)
+    lo = tl.load(lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+    return _to_dt(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND), has
+
+
+@triton.jit
+def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th, tables_ptr,
+            codes_ptr, scale_ptr, lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
+            PLANE: tl.constexpr, IS_V: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """What plane PLANE quantizes at (positions pos, channels c), fp32 holding DT: the exact
+    value from the tail, minus the reconstruction at plane PLANE - 1 when PLANE > 0."""
+    dtype = tail_ptr.dtype.element_ty
+    page = tl.load(tables_ptr + table + pos // PAGE_SIZE).to(tl.int64)
+    slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    x = tl.load(tail_ptr + slot * stride_ts + head * stride_th + c, mask=ok, other=0.0).to(tl.float32)
+    if PLANE > 0:
+        hat, _ = _dequantized(pos, c, ok, base, 0, head, sink, codes_ptr, scale_ptr, lo_ptr, group_tables_ptr,
+                              row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V, HEAD_DIM, V_GROUPS, dtype,
+                              BF16_BY_HAND)
+        for p in tl.static_range(1, PLANE):
+            dq, has = _dequantized(pos, c, ok, base, p, head, sink, codes_ptr, scale_ptr, lo_ptr,
+                                   group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V,
+                                   HEAD_DIM, V_GROUPS, dtype, BF16_BY_HAND)
+            hat = tl.where(has, _to_dt(hat + dq, dtype, BF16_BY_HAND), hat)
+        x = _to_dt(x - hat, dtype, BF16_BY_HAND)
+    return x
+
+
+@triton.jit
+def _encode_kernel(
+    k_tail_ptr, v_tail_ptr, tables_ptr, cells_ptr, positions_ptr, records_ptr, ready_ptr, table_offsets_ptr,
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
+    stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, num_planes, max_groups, max_len, sink,
+    PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tl.load(ready_ptr + m) != 0:  # a candidate that is not ready writes nothing
+        base = tl.load(cells_ptr + m).to(tl.int64) * num_planes  # (cell, plane 0) of the tables
+        record = tl.load(records_ptr + m).to(tl.int64)
+        table = tl.maximum(tl.load(table_offsets_ptr + m).to(tl.int64), 0)
+        if tl.program_id(2) == 0:
+            # K: even rows 2p and odd rows 2p + 1 [32, BLOCK_D] (a code byte's two nibbles)
+            p = tl.arange(0, 32)[:, None]
+            d = tl.arange(0, BLOCK_D)[None, :]
+            ok = d < HEAD_DIM
+            pos_a = tl.load(positions_ptr + m * 64 + 2 * p)
+            pos_b = tl.load(positions_ptr + m * 64 + 2 * p + 1)
+            a = _target(pos_a, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
+                        k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                        max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+            b = _target(pos_b, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
+                        k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                        max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+            lo16, scale16, varies = _stats(a, b, ok, ok, 0)  # per channel [1, BLOCK_D]
+            byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
+            tl.store(k_codes_ptr + ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, byte.to(tl.uint8),
+                     mask=ok)
+            meta = (record * num_kv_heads + head) * HEAD_DIM + d
+            tl.store(k_scale_ptr + meta, scale16.to(tl.float16), mask=ok)
+            tl.store(k_lo_ptr + meta, lo16.to(tl.float16), mask=ok)
+        else:
+            # V: rows [64, 1, 1] x groups [1, BLOCK_G, 1] x even channels 64 j + 2 i [1, BLOCK_G, 32]
+            i = tl.arange(0, 64)[:, None, None]
+            j = tl.arange(0, BLOCK_G)[None, :, None]
+            c = 64 * j + 2 * tl.arange(0, 32)[None, None, :]
+            ok = c < HEAD_DIM  # D is even: so is c + 1 < D
+            pos = tl.load(positions_ptr + m * 64 + i)
+            a = _target(pos, c, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
+                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                        max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+            b = _target(pos, c + 1, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
+                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                        max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+            lo16, scale16, varies = _stats(a, b, ok, ok, 2)  # per (row, group) [64, BLOCK_G, 1]
+            byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
+            vrow = (record * 64 + i) * num_kv_heads + head
+            tl.store(v_codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, byte.to(tl.uint8), mask=ok)
+            meta = vrow * V_GROUPS + j
+            tl.store(v_scale_ptr + meta, scale16.to(tl.float16), mask=j < V_GROUPS)
+            tl.store(v_lo_ptr + meta, lo16.to(tl.float16), mask=j < V_GROUPS)
+
+
+def _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
+           v_codes, v_scale, v_lo, group_tables, row_maps, dtypes=DTYPES) -> None:
+    _, heads, dim = k_tail.shape
+    assert k_tail.dtype in dtypes, f"residual encoding takes {', '.join(map(str, dtypes))}, not {k_tail.dtype}"
+    assert v_tail.shape == k_tail.shape and v_tail.dtype == k_tail.dtype, "K and V tails must be [S, Hkv, D] alike"
+    assert k_tail.stride(2) == 1 and v_tail.stride(2) == 1, "the head dim must be contiguous"
+    assert dim % 2 == 0, "the head dim must be even"
+    n = k_codes.shape[0]
+    groups = triton.cdiv(dim, GROUP)
+    assert k_codes.shape == (n, PAIRS, heads, dim) and k_codes.dtype == torch.uint8, "k codes: [NG + 1, 32, Hkv, D]"
+    assert k_scale.shape == k_lo.shape == (n, heads, dim), "k scale, lo: [NG + 1, Hkv, D]"
+    assert v_codes.shape == (n * GROUP, heads, dim // 2) and v_codes.dtype == torch.uint8, "v codes shape"
+    assert v_scale.shape == v_lo.shape == (n * GROUP, heads, groups), "v scale, lo: [(NG + 1) * 64, Hkv, ceil(D/64)]"
+    assert all(t.dtype == torch.float16 for t in (k_scale, k_lo, v_scale, v_lo)), "scales and minimums are fp16"
+    assert group_tables.dim() == row_maps.dim() == 3 and group_tables.shape[:2] == row_maps.shape[:2], \
+        "group tables and row maps: [C, P, *], same cells and planes"
+    assert 0 <= plane < row_maps.shape[1] <= MAX_PLANES, f"plane {plane} of {row_maps.shape[1]} (at most {MAX_PLANES})"
+    m = cells.shape[0]
+    assert positions.shape == (m, GROUP) and not positions.is_floating_point(), "positions: [M, 64] int"
+    assert ready.shape == (m,) and ready.dtype == torch.bool, "ready: [M] bool"
+    for t in (cells, records, table_offsets):
+        assert t.shape == (m,) and not t.is_floating_point(), "cells, records, table offsets: [M] int"
+    for t in (k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, group_tables, row_maps, tables, cells, positions,
+              records, ready, table_offsets):
+        assert t.is_contiguous(), "records, tables and candidate vectors must be contiguous"
+
+
+def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
+                         plane: int, cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor,
+                         ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
+                         k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                         v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, *,
+                         sink: int | None = None) -> None:
+    """One launch of (candidates, KV heads, K | V) programs; no host sync."""
+    args = (k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
+            v_codes, v_scale, v_lo, group_tables, row_maps)
+    _check(*args)
+    m = cells.shape[0]
+    if m == 0:
+        return
+    heads, dim = k_tail.shape[1:]
+    v_groups = triton.cdiv(dim, GROUP)
+    _encode_kernel[(m, heads, 2)](
+        k_tail, v_tail, tables, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo, v_codes,
+        v_scale, v_lo, group_tables, row_maps, k_tail.stride(0), k_tail.stride(1), v_tail.stride(0),
+        v_tail.stride(1), heads, row_maps.shape[1], group_tables.shape[2], row_maps.shape[2],
+        k_codes.shape[0] - 1 if sink is None else sink,
+        PLANE=plane, PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
+        BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False)
+
+
+# --- torch reference ------------------------------------------------------------------
+
+def _decode(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, record: torch.Tensor, row: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [M, 64, Hkv, D] in dtype of in-group rows `row` of records `record` [M, 64]."""
+    nibble = (4 * (row % 2)).to(torch.uint8)[..., None, None]
+    code = (k_codes[record, row // 2] >> nibble) & 0xF
+    k = (k_lo[record].float() + k_scale[record].float() * code.float()).to(dtype)
+    n = (record * GROUP + row).flatten()
+    v = dequantize_v_groups_reference(VGroups(v_codes[n], v_scale[n], v_lo[n]), dtype)
+    return k, v.view(k.shape)
+
+
+def encode_groups_reference(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
+                            plane: int, cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor,
+                            ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
+                            k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                            v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, *,
+                            sink: int | None = None) -> None:
+    """The same in plain PyTorch (no host sync): every candidate computed, only the ready
+    ones' records changed (the others' writes put back what their record held)."""
+    _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
+           v_codes, v_scale, v_lo, group_tables, row_maps, REFERENCE_DTYPES)
+    m = cells.shape[0]
+    if m == 0:
+        return
+    sink = k_codes.shape[0] - 1 if sink is None else sink
+    dtype, positions, records = k_tail.dtype, positions.long(), records.long()
+    pages = tables[table_offsets.long().clamp(min=0)[:, None] + positions // page_size].long()
+    slots = pages * page_size + positions % page_size  # [M, 64]
+    k, v = k_tail[slots], v_tail[slots]  # [M, 64, Hkv, D]
+    if plane > 0:
+        cell = cells.long()[:, None].expand_as(positions)
+        pools = (k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)
+        k_hat = v_hat = None
+        for p in range(plane):
+            row = row_maps[cell, p, positions].long()
+            has = row >= 0
+            record = group_tables[cell, p, row.clamp(min=0) // GROUP].long()
+            record = torch.where(has, record, torch.full_like(record, sink))
+            dk, dv = _decode(*pools, record, row.clamp(min=0) % GROUP, dtype)
+            if p == 0:
+                k_hat, v_hat = dk, dv
+            else:
+                has = has[..., None, None]
+                k_hat, v_hat = torch.where(has, k_hat + dk, k_hat), torch.where(has, v_hat + dv, v_hat)
+        k, v = k - k_hat, v - v_hat
+    valid = torch.full((m,), GROUP, dtype=torch.int32, device=k.device)
+    kg = quantize_k_groups_reference(k.contiguous(), valid)
+    vg = quantize_v_groups_reference(v.flatten(0, 1).contiguous())
+    keep = ready[:, None, None]
+    k_codes[records] = torch.where(keep[..., None], kg.codes, k_codes[records])
+    k_scale[records] = torch.where(keep, kg.scale, k_scale[records])
+    k_lo[records] = torch.where(keep, kg.lo, k_lo[records])
+    rows = (records[:, None] * GROUP + torch.arange(GROUP, device=k.device)).flatten()
+    keep_rows = ready.repeat_interleave(GROUP)[:, None, None]
+    v_codes[rows] = torch.where(keep_rows, vg.codes, v_codes[rows])
+    v_scale[rows] = torch.where(keep_rows, vg.scale, v_scale[rows])
+    v_lo[rows] = torch.where(keep_rows, vg.lo, v_lo[rows])
+
+
+# --- dispatch -------------------------------------------------------------------------
+
+def encode_groups(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, plane: int,
+                  cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor, ready: torch.Tensor,
+                  table_offsets: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_lo: torch.Tensor,
+                  v_codes: torch.Tensor, v_scale: torch.Tensor, v_lo: torch.Tensor, group_tables: torch.Tensor,
+                  row_maps: torch.Tensor, *, sink: int | None = None, use_triton: bool | None = None) -> None:
+    """Encode plane `plane`'s ready candidates of one layer into their records, in place
+    (module docstring); `sink` defaults to the last record. Triton on CUDA by default;
+    use_triton=True also runs it on CPU under TRITON_INTERPRET=1."""
+    if use_triton is None:
+        use_triton = k_tail.is_cuda
+    assert not use_triton or k_tail.is_cuda or _INTERPRET, "Triton runs on CUDA tensors or under TRITON_INTERPRET=1"
+    fn = encode_groups_triton if use_triton else encode_groups_reference
+    fn(k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale,
+       k_lo, v_codes, v_scale, v_lo, group_tables, row_maps, sink=sink)
