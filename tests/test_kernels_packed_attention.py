@@ -363,28 +363,30 @@ def test_kernel_splits_and_key_blocks(splits, block_n):
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
-def _poisoned(case: Case, n: int) -> Case:
-    """A one-row case in which everything row n does not read is NaN (tail slots of its
-    reconstructed keys, K / V parameters of records and rows it reads exact) or garbage
-    codes; seals, group tables and row maps stay."""
-    c, d, pos, off = (int(x[n]) for x in (case.cell, case.depth, case.position, case.table_offset))
-    j = torch.arange(pos + 1, device=DEVICE)
-    sealed = pos >= key_seals(case.packed, c, d, j)
-    exact = j[~sealed]
-    slots = case.tables[off + exact // case.page_size].long() * case.page_size + exact % case.page_size
-    keep_slot = torch.zeros(case.k_tail.shape[0], dtype=torch.bool, device=DEVICE)
-    keep_slot[slots] = True
+def _poisoned(case: Case, first: int, count: int = 1) -> Case:
+    """The case of rows first .. first + count - 1 alone, in which everything none of them
+    reads is NaN (tail slots no row reads exact, K / V parameters of records and rows no row
+    reads reconstructed) or garbage codes; seals, group tables and row maps stay."""
     pk = case.packed
+    keep_slot = torch.zeros(case.k_tail.shape[0], dtype=torch.bool, device=DEVICE)
     keep_rec = torch.zeros(pk.seal.shape[0], dtype=torch.bool, device=DEVICE)
     keep_pair = torch.zeros(pk.seal.shape[0], 32, dtype=torch.bool, device=DEVICE)
     keep_v = torch.zeros(pk.seal.shape[0] * 64, dtype=torch.bool, device=DEVICE)
-    for p in range(d + 1):
-        r = pk.row_maps[c, p, j[sealed]].long()
-        r = r[r >= 0]
-        rec = pk.group_tables[c, p, r // 64].long()
-        keep_rec[rec] = True
-        keep_pair[rec, r % 64 // 2] = True
-        keep_v[rec * 64 + r % 64] = True
+    for n in range(first, first + count):
+        c, d, pos, off = (int(x[n]) for x in (case.cell, case.depth, case.position, case.table_offset))
+        if pos < 0:
+            continue
+        j = torch.arange(pos + 1, device=DEVICE)
+        sealed = pos >= key_seals(case.packed, c, d, j)
+        exact = j[~sealed]
+        keep_slot[case.tables[off + exact // case.page_size].long() * case.page_size + exact % case.page_size] = True
+        for p in range(d + 1):
+            r = pk.row_maps[c, p, j[sealed]].long()
+            r = r[r >= 0]
+            rec = pk.group_tables[c, p, r // 64].long()
+            keep_rec[rec] = True
+            keep_pair[rec, r % 64 // 2] = True
+            keep_v[rec * 64 + r % 64] = True
     nan = float("nan")
     k = dataclasses.replace(pk.k, codes=pk.k.codes.masked_fill(~keep_pair[:, :, None, None], 0xFF),
                             scale=pk.k.scale.masked_fill(~keep_rec[:, None, None], nan),
@@ -392,11 +394,11 @@ def _poisoned(case: Case, n: int) -> Case:
     v = dataclasses.replace(pk.v, codes=pk.v.codes.masked_fill(~keep_v[:, None, None], 0xFF),
                             scale=pk.v.scale.masked_fill(~keep_v[:, None, None], nan),
                             lo=pk.v.lo.masked_fill(~keep_v[:, None, None], nan))
-    one = slice(n, n + 1)
-    return Case(case.q[one], case.k_tail.masked_fill(~keep_slot[:, None, None], nan),
+    some = slice(first, first + count)
+    return Case(case.q[some], case.k_tail.masked_fill(~keep_slot[:, None, None], nan),
                 case.v_tail.masked_fill(~keep_slot[:, None, None], nan), case.tables, case.page_size,
-                PackedKV(k, v, pk.seal, pk.group_tables, pk.row_maps), case.cell[one], case.depth[one],
-                case.position[one], case.table_offset[one])
+                PackedKV(k, v, pk.seal, pk.group_tables, pk.row_maps), case.cell[some], case.depth[some],
+                case.position[some], case.table_offset[some])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -430,3 +432,117 @@ def test_padding_rows_are_not_written_and_dispatch():
     want, want_lse = packed_attention(*case.args(), return_lse=True, use_triton=False)
     torch.testing.assert_close(out[[0, 2]], want[[0, 2]], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[[0, 2]], want_lse[[0, 2]], atol=1e-5, rtol=1e-5)
+
+
+# --- query tiles ------------------------------------------------------------------------
+
+def _cut(case: Case, tile_rows: int, padding: tuple[int, ...] = (1, 4)) -> torch.Tensor:
+    """Tiles [M, 3] of at most tile_rows rows over each run of consecutive rows sharing cell,
+    depth and table offset, with tiles of 0 rows inserted at the indices `padding`."""
+    keys = list(zip(case.cell.tolist(), case.depth.tolist(), case.table_offset.tolist()))
+    tiles, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            tiles += [[s, min(tile_rows, i - s), keys[start][2]] for s in range(start, i, tile_rows)]
+            start = i
+    for at in padding:
+        tiles.insert(at, [0, 0, 0])
+    return torch.tensor(tiles, dtype=torch.int64, device=DEVICE)
+
+
+def _tile_reads(case: Case, tiles: torch.Tensor) -> list[str]:
+    """Per tile of rows: "reconstructed" or "exact" (what every (query, key) pair reads),
+    "straddle" (a key some rows read reconstructed and others exact: a mixed block) or
+    "mixed" (both kinds, each key read one way)."""
+    kinds = []
+    for first, rows, _ in tiles.tolist():
+        if rows == 0:
+            continue
+        c, d = int(case.cell[first]), int(case.depth[first])
+        top = int(case.position[first:first + rows].max())
+        j = torch.arange(top + 1, device=DEVICE)
+        seal = key_seals(case.packed, c, d, j)
+        recon = torch.zeros_like(j, dtype=torch.bool)
+        exact = torch.zeros_like(recon)
+        for pos in case.position[first:first + rows].tolist():
+            recon |= (j <= pos) & (pos >= seal)
+            exact |= (j <= pos) & (pos < seal)
+        kinds.append("straddle" if (recon & exact).any() else "mixed" if recon.any() and exact.any()
+                     else "reconstructed" if recon.any() else "exact")
+    return kinds
+
+
+def _tiled_rows() -> list[tuple[int, int, int]]:
+    """A prompt chunk (16 consecutive positions) and a window (increasing, with gaps) in the
+    mixed cell 0, a chunk and a window in the sealed cell 1, a chunk in the open cell 2, and
+    a lone row."""
+    return ([(0, 2, p) for p in range(114, 130)] + [(0, 3, p) for p in (40, 47, 64, 65, 90, 120, 149)]
+            + [(1, 1, p) for p in range(30, 35)] + [(1, 3, p) for p in (5, 50, 99)]
+            + [(2, 0, p) for p in range(70, 76)] + [(0, 0, 7)])
+
+
+GQA, MHA = (4, 2, 16, 8), (2, 2, 32, 5)  # heads, KV heads, head dim, tile rows
+
+
+@pytest.mark.parametrize("shape, dtype, splits", [(GQA, torch.float32, 1), (GQA, torch.bfloat16, 3),
+                                                  (MHA, torch.float32, 3), (MHA, torch.bfloat16, 1)],
+                         ids=["gqa-fp32-1", "gqa-bf16-3", "mha-fp32-3", "mha-bf16-1"])
+def test_tiles_match_reference(shape, dtype, splits):
+    """Tiles of 1..tile_rows rows (GQA x 8 rows fills M = 16; MHA x 5 pads it), straddling
+    seals, fully sealed and fully exact, with padding tiles; every row is covered. Pairwise:
+    each shape with each dtype and each split count."""
+    heads, kv_heads, dim, tile_rows = shape
+    case = _case(21, [150, 100, 80], ["mixed", "sealed", "open"], _tiled_rows(), heads, kv_heads, dim, dtype)
+    tiles = _cut(case, tile_rows)
+    sizes = {rows for _, rows, _ in tiles.tolist()}
+    assert {0, 1, tile_rows} <= sizes and len(sizes) > 3
+    assert {"straddle", "reconstructed", "exact"} <= set(_tile_reads(case, tiles))
+    out, lse = packed_attention_triton(*case.args(), tiles=tiles, tile_rows=tile_rows, return_lse=True,
+                                       num_splits=splits)
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nothing_a_tile_does_not_read_reaches_it(dtype):
+    """Per tile: NaN / garbage everywhere no (query, key) pair of its rows reads; the kernel
+    gives the clean result bit for bit, without a NaN (straddling, sealed and exact tiles)."""
+    rows = ([(0, 3, p) for p in range(96, 104)] + [(0, 1, p) for p in (20, 64, 100, 149)]
+            + [(1, 2, p) for p in range(40, 44)] + [(2, 3, p) for p in range(60, 63)])
+    case = _case(3, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, 16, dtype)
+    tiles = _cut(case, 4, padding=())
+    assert {"straddle", "reconstructed", "exact"} <= set(_tile_reads(case, tiles))
+    kernel = dict(tile_rows=4, return_lse=True, num_splits=2, block_n=32)
+    clean, clean_lse = packed_attention_triton(*case.args(), tiles=tiles, **kernel)
+    for first, count, table in tiles.tolist():
+        bad = _poisoned(case, first, count)
+        got, lse = packed_attention_triton(*bad.args(), tiles=torch.tensor([[0, count, table]], device=DEVICE),
+                                           **kernel)
+        assert not got.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(got, clean[first:first + count], atol=0, rtol=0)
+        torch.testing.assert_close(lse, clean_lse[first:first + count], atol=0, rtol=0)
+
+
+def test_tiles_leave_other_rows_and_dispatch():
+    """Rows no tile covers and padding rows inside a tile are not written; the dispatcher
+    takes tiles to either side; the reference rejects a tile mixing depths."""
+    rows = [(0, 1, p) for p in (10, 11, 12, 50)] + [(1, 0, 20), (2, 2, 30)]
+    case = _case(4, [60, 40, 40], ["mixed", "sealed", "open"], rows, 4, 2, 16, torch.float32)
+    case.position[2] = -1
+    tiles = torch.tensor([[0, 4, int(case.table_offset[0])], [0, 0, 0], [5, 1, int(case.table_offset[5])]],
+                         device=DEVICE)
+    for split in (1, 2):
+        sentinel = torch.full_like(case.q, 7.0)
+        out, lse = packed_attention(*case.args(), tiles=tiles, tile_rows=4, return_lse=True, num_splits=split,
+                                    out=sentinel)
+        assert torch.equal(out[[2, 4]], torch.full_like(case.q[[2, 4]], 7.0))
+        want, want_lse = packed_attention(*case.args(), tiles=tiles, tile_rows=4, return_lse=True,
+                                          use_triton=False)
+        assert torch.equal(want[[2, 4]], torch.zeros_like(want[[2, 4]])) and want_lse[[2, 4]].isinf().all()
+        done = [0, 1, 3, 5]
+        torch.testing.assert_close(out[done], want[done], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[done], want_lse[done], atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError, match="one cell, depth"):
+        packed_attention_reference(*case.args(), tiles=torch.tensor([[3, 2, 0]], device=DEVICE), tile_rows=2)

@@ -4,6 +4,8 @@ groups (FlashLoop's packed planes), in Triton, with its torch reference.
     packed = PackedKV(k_groups, v_groups, record_seal, group_tables, row_maps)
     out, lse = packed_attention(q, k_tail, v_tail, tables, page_size, packed,
                                 cell, depth, position, table_offset, return_lse=True)
+    # or in query tiles (prompt chunks, verifications: rows sharing each key block's gather)
+    out, _ = packed_attention(..., table_offset, tiles=tiles, tile_rows=64)
 
 What a call reads (one layer; the caller slices layers). DT is the model dtype (fp32, bf16
 or fp16), Hkv KV heads, Hq query heads (a multiple of Hkv), D the head dim (even), P <= 4
@@ -24,6 +26,12 @@ depth planes (0-based), GROUP = 64.
   + j % page_size, the row's plane-d page table as in `paged_attention`.
 - Query rows q [N, Hq, D] in DT, already rotated, each with its cell, depth d (a plane),
   position and table offset. A row with a negative position is padding: not written.
+- Optionally query tiles, `tiles` [M, 3] int (first row, rows, table offset) as in
+  `paged_attention`: up to `tile_rows` consecutive rows of one cell, depth and table offset
+  (positions need not be consecutive or sorted: each row is causal by its own position);
+  tiles of 0 rows are padding, and rows no tile covers are not written. The kernel reads
+  cell and depth from a tile's first row and the table offset from the tile (the reference
+  asserts that the rows agree, `tile_rows_covered`). Without tiles, each row is a tile.
 
 The read rule, for row (cell c, depth d, position q) and key j <= q:
   1. s = the seal of the record holding j's deepest row at a plane <= d (NEVER when that
@@ -38,31 +46,45 @@ denominator) with `return_lse`. The reconstructed path never loads a tail slot a
 exact path never a packed record: every load is masked, and unwanted lanes are replaced
 with `where`, so NaN in storage a row does not read cannot reach it.
 
-Kernel: a program per (query row, KV head, split). Its M dimension is the row's GQA heads,
-padded to 16 for `tl.dot`; it runs a flash-style online softmax over key blocks of
-`block_n` keys, each block gathered by `_key_block`: the row maps and group tables of
-planes 0..d (a loop over the P planes, P a constexpr, each plane behind a branch on p <= d
-that is the same for the whole program) give every key's seal; a block with a reconstructed
-key decodes those keys plane by plane (codes, scale and lo loaded only for them), and the
-exact keys load their tail slots. `read_keys` exposes what that gather produces, so tests check the
-kernel's reconstruction bit for bit. Split-KV (`num_splits`) gives each split an equal share
-of the row's keys and combines the partial outputs by their lse, as `paged_attention` does.
+Kernel: a program per (tile, KV head, split). Its M dimension is (row of the tile, query
+head of the KV head), tile_rows x GQA padded to a power of two >= 16 for `tl.dot`; it runs
+a flash-style online softmax over key blocks of `block_n` keys up to the tile's last
+position. Per block, the row maps and group tables of planes 0..d (a loop over the P
+planes, P a constexpr, each plane behind a branch on p <= d that is the same for the whole
+program) give every key's seal once (`_key_seals`); per (query i, key j) the pair is seen
+when j <= q_i and sealed when also q_i >= s_j. Keys some pair reads sealed are decoded
+plane by plane (`_reconstructed`: codes, scale and lo loaded only for them) and keys some
+pair reads exact load their tail slots (`_exact`); a block with neither kind skips that
+half. When every key is read one way by all the pairs that see it (every block of a one-row
+tile; blocks wholly below or above the tile's seals), the block merges the two into one K
+and one V and runs one QK and one PV product. A block holding a key that some rows read
+reconstructed and others exact (the tile straddles its seal) runs both: scores
+where(sealed, Q.K_hat, Q.K_exact) and PV as P_hat.V_hat + P_exact.V_exact, with P_hat and
+P_exact the probabilities where(sealed, p, 0) and where(sealed, 0, p); K_hat / V_hat are 0
+for keys no pair reads sealed and the exact ones 0 for keys no pair reads exact, so a
+product never meets storage no pair of the tile reads. `read_keys` exposes a one-row
+tile's gather (`_key_block`), so tests check the kernel's reconstruction bit for bit.
+Split-KV (`num_splits`) gives each split an equal share of the tile's keys and combines
+each row's partial outputs by their lse, as `paged_attention` does.
 
-Precision: the gathered K/V tile is fp32 holding DT values; QK and PV run on tensor cores in
-DT with fp32 accumulation, the probabilities rounded to DT for PV (fp32 inputs use IEEE fp32
-products). FMA contraction is off for the whole launch (the decode must not fuse; what that
-costs the softmax is not measured). Under `TRITON_INTERPRET=1` tiles are cast to fp32 before
-`tl.dot` (the interpreter's bf16 dot is wrong) and rounding to bf16 is done by hand on the
-bits (its fp32 -> bf16 cast truncates); see ../shared/docs/gpu.md and `int4_groups`.
+Precision: the gathered K/V tiles hold DT values (fp32 registers in the decode, DT for the
+products); QK and PV run on tensor cores in DT with fp32 accumulation, the probabilities
+rounded to DT for PV (fp32 inputs use IEEE fp32 products). FMA contraction is off for the
+whole launch (the decode must not fuse; what that costs the softmax is not measured).
+Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the interpreter's bf16
+dot is wrong) and rounding to bf16 is done by hand on the bits (its fp32 -> bf16 cast
+truncates); see ../shared/docs/gpu.md and `int4_groups`.
 
-Not done yet: rows of one cell and depth are not tiled together (a verification's k+1 rows
-each gather the same keys; `paged_attention` shares them); the M padding to 16 wastes most
-of a decode program's tensor-core tile; the row maps are read twice per block (seal, then
-decode); and the kernel has not been run or timed on CUDA (only under the interpreter so
-far). Not checked on the device (no host sync in `packed_attention_triton`): depth < P,
-positions < MAXLEN, and that a key read reconstructed has a plane-0 row and every row it
-reads a record (the reference asserts these). The lse of a padding row is not written (the
-reference gives -inf).
+Not done yet: the M padding to 16 wastes most of a one-row (decode) program's tensor-core
+tile; the row maps are read twice per block (seal, then decode); a straddling block pays two
+QK and two PV products; and the kernel has not been run or timed on CUDA (only under the
+interpreter so far), tiles included: register pressure at M = 64 with four gathered tiles
+live in a straddling block, and num_warps / block_n for it, are untuned. Not checked on the
+device (no host sync in `packed_attention_triton`): depth < P, positions < MAXLEN, that a
+key read reconstructed has a plane-0 row and every row it reads a record, and that tiles
+hold at most tile_rows rows of one cell, depth and table offset, each row in at most one
+tile (the reference asserts these). The lse of a padding row is not written (the reference
+gives -inf).
 """
 
 from __future__ import annotations
@@ -76,11 +98,13 @@ import triton.language as tl
 
 from specloop.kernels import DTYPES
 from specloop.kernels.int4_groups import GROUP, PAIRS, KGroups, VGroups, unpack_codes
+from specloop.kernels.paged_attention import TILE_COLUMNS
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NEVER = 2**31 - 1  # record_seal of a record no query reads reconstructed
 MAX_PLANES = 4
 REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch references also take fp64 (exact CPU tests)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +141,90 @@ def _rounded(v, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _key_seals(
+    j, j_ok, cell, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES: tl.constexpr,
+):
+    """Seal [BLOCK_N] of keys j (where j_ok; NEVER elsewhere): the seal of the record holding
+    each key's deepest row at a plane <= depth."""
+    base = cell * PLANES  # (cell, plane 0) of the tables
+    seal = tl.zeros_like(j) + 2147483647
+    for p in tl.static_range(PLANES):
+        if depth >= p:  # the same for the whole program: planes past the depth are not read
+            r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=j_ok, other=-1)
+            has = r >= 0
+            rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(has, r, 0) // 64, mask=has, other=-1)
+            s = tl.load(seal_ptr + tl.where(rec >= 0, rec, 0), mask=has & (rec >= 0), other=2147483647)
+            seal = tl.where(has, s, seal)
+    return seal
+
+
+@triton.jit
+def _reconstructed(
+    j, recon, cell, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+    group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
+    DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    """K and V [BLOCK_N, BLOCK_D] of keys j reconstructed at `depth` where `recon`, fp32
+    holding DTYPE values, 0 elsewhere: plane 0's decode plus the residual of each plane
+    1..depth with a row (codes, scale and lo loaded only for those keys)."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    base = cell * PLANES
+    k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for p in tl.static_range(PLANES):
+        if depth >= p:
+            r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=recon, other=-1)
+            rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(r >= 0, r, 0) // 64,
+                          mask=r >= 0, other=-1)
+            use = (r >= 0) & (rec >= 0)
+            row = tl.where(use, r % 64, 0)
+            rec = tl.where(use, rec, 0).to(tl.int64)
+            ok = use[:, None] & d_ok[None, :]
+            # K: byte (rec, row // 2, head, d), the row's nibble; scale / lo (rec, head, d)
+            pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
+            byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
+            code = (byte >> (4 * (row % 2))[:, None]) & 0xF
+            meta = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
+            scale = tl.load(k_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+            lo = tl.load(k_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+            dk = _rounded(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+            # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per 64 channels
+            vrow = (rec * 64 + row) * num_kv_heads + kv_head
+            byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
+                           other=0).to(tl.int32)
+            code = (byte >> (4 * (d % 2))[None, :]) & 0xF
+            meta = vrow[:, None] * V_GROUPS + d[None, :] // 64
+            scale = tl.load(v_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+            lo = tl.load(v_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+            dv = _rounded(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+            if p == 0:
+                k = tl.where(ok, dk, 0.0)
+                v = tl.where(ok, dv, 0.0)
+            else:
+                k = tl.where(ok, _rounded(k + dk, DTYPE, BF16_BY_HAND), k)
+                v = tl.where(ok, _rounded(v + dv, DTYPE, BF16_BY_HAND), v)
+    return k, v
+
+
+@triton.jit
+def _exact(
+    j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """K and V [BLOCK_N, BLOCK_D] (the tails' dtype) of keys j from their tail slots in the
+    page table at `table` where `exact`, 0 elsewhere (no other slot is loaded)."""
+    d = tl.arange(0, BLOCK_D)
+    page = tl.load(tables_ptr + table + tl.where(exact, j, 0) // PAGE_SIZE, mask=exact, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + j % PAGE_SIZE
+    ok = exact[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_tail_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=ok, other=0.0)
+    v = tl.load(v_tail_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=ok, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _key_block(
     j, j_ok, cell, depth, pos, table, kv_head,
     k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
@@ -125,101 +233,79 @@ def _key_block(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
-    """K and V [BLOCK_N, BLOCK_D] of keys j (where j_ok) as one row reads them: fp32 holding
-    DT values, 0 elsewhere. Phase 1 finds each key's seal, phase 2 decodes the keys read
-    reconstructed, phase 3 loads the exact ones from the tail."""
-    dtype = k_tail_ptr.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    base = cell * PLANES  # (cell, plane 0) of the tables
-    # 1. the seal of the group holding each key's deepest row at a plane <= depth
-    seal = tl.zeros_like(j) + 2147483647
-    for p in tl.static_range(PLANES):
-        if depth >= p:  # the same for the whole program: planes past the row's depth are not read
-            r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=j_ok, other=-1)
-            has = r >= 0
-            rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(has, r, 0) // 64, mask=has, other=-1)
-            s = tl.load(seal_ptr + tl.where(rec >= 0, rec, 0), mask=has & (rec >= 0), other=2147483647)
-            seal = tl.where(has, s, seal)
+    """K and V [BLOCK_N, BLOCK_D] of keys j (where j_ok) as one row at `pos` reads them: fp32
+    holding DT values, 0 elsewhere (the attention kernel's gather for a one-row tile)."""
+    seal = _key_seals(j, j_ok, cell, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES)
     recon = j_ok & (pos >= seal)
     exact = j_ok & (pos < seal)
-    # 2. reconstructed: plane 0's decode plus the residual of each plane 1..depth with a row
     k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if tl.max(recon.to(tl.int32), axis=0) > 0:  # a block of exact keys skips the decode
-        for p in tl.static_range(PLANES):
-            if depth >= p:
-                r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=recon, other=-1)
-                rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(r >= 0, r, 0) // 64,
-                              mask=r >= 0, other=-1)
-                use = (r >= 0) & (rec >= 0)
-                row = tl.where(use, r % 64, 0)
-                rec = tl.where(use, rec, 0).to(tl.int64)
-                ok = use[:, None] & d_ok[None, :]
-                # K: byte (rec, row // 2, head, d), the row's nibble; scale / lo (rec, head, d)
-                pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
-                byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
-                code = (byte >> (4 * (row % 2))[:, None]) & 0xF
-                meta = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
-                scale = tl.load(k_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-                lo = tl.load(k_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-                dk = _rounded(lo + scale * code.to(tl.float32), dtype, BF16_BY_HAND)
-                # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per 64 channels
-                vrow = (rec * 64 + row) * num_kv_heads + kv_head
-                byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
-                               other=0).to(tl.int32)
-                code = (byte >> (4 * (d % 2))[None, :]) & 0xF
-                meta = vrow[:, None] * V_GROUPS + d[None, :] // 64
-                scale = tl.load(v_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-                lo = tl.load(v_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-                dv = _rounded(lo + scale * code.to(tl.float32), dtype, BF16_BY_HAND)
-                if p == 0:
-                    k = tl.where(ok, dk, 0.0)
-                    v = tl.where(ok, dv, 0.0)
-                else:
-                    k = tl.where(ok, _rounded(k + dk, dtype, BF16_BY_HAND), k)
-                    v = tl.where(ok, _rounded(v + dv, dtype, BF16_BY_HAND), v)
-    # 3. exact: the tail slot in the row's plane-depth page table
-    page = tl.load(tables_ptr + table + tl.where(exact, j, 0) // PAGE_SIZE, mask=exact, other=0).to(tl.int64)
-    slot = page * PAGE_SIZE + j % PAGE_SIZE
-    ok = exact[:, None] & d_ok[None, :]
-    k_exact = tl.load(k_tail_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=ok, other=0.0)
-    v_exact = tl.load(v_tail_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=ok, other=0.0)
+        k, v = _reconstructed(j, recon, cell, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                              v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups,
+                              max_len, k_tail_ptr.dtype.element_ty, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
+                              BF16_BY_HAND)
+    k_exact, v_exact = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh,
+                              stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
     k = tl.where(recon[:, None], k, k_exact.to(tl.float32))
     v = tl.where(recon[:, None], v, v_exact.to(tl.float32))
     return k, v
 
 
 @triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES: tl.constexpr):
+    """(first row, rows, table offset) of tile t; without tiles, tile t is row t."""
+    if HAS_TILES:
+        first = tl.load(tiles_ptr + t * 3).to(tl.int64)
+        rows = tl.load(tiles_ptr + t * 3 + 1).to(tl.int32)
+        table = tl.load(tiles_ptr + t * 3 + 2).to(tl.int64)
+    else:
+        first = t
+        rows = 1
+        table = tl.load(table_offset_ptr + t).to(tl.int64)
+    return first, rows, table
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
     v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
-    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
     num_heads, num_kv_heads, max_groups, max_len, scale,
-    PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr,
-    V_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr,
+    HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64)
+    first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    pos = tl.load(position_ptr + n).to(tl.int32)
-    if pos >= 0:
-        cell = tl.load(cell_ptr + n).to(tl.int64)
-        depth = tl.load(depth_ptr + n).to(tl.int32)
-        table = tl.load(table_offset_ptr + n).to(tl.int64)
+    # M: (row of the tile, query head of the KV head); lanes past the tile's rows are padding
+    i = tl.arange(0, BLOCK_M)
+    r = i // BLOCK_G
+    g = i % BLOCK_G
+    row = first + r
+    pos = tl.load(position_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int32)
+    lane_ok = (pos >= 0) & (g < GQA)
+    context = tl.max(pos, axis=0) + 1
+    if context > 0:
+        cell = tl.load(cell_ptr + first).to(tl.int64)  # the tile's rows share cell and depth
+        depth = tl.load(depth_ptr + first).to(tl.int32)
         dtype = k_tail_ptr.dtype.element_ty
-        i = tl.arange(0, BLOCK_M)
-        i_ok = i < GQA
-        head = kv_head * GQA + i
+        head = kv_head * GQA + g
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + n * stride_qn + head[:, None] * stride_qh + d[None, :],
-                    mask=i_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
-        context = pos + 1
+        q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                    mask=lane_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
         chunk = tl.cdiv(tl.cdiv(context, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(context, lo + chunk)
@@ -229,24 +315,47 @@ def _attention_kernel(
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
-            k, v = _key_block(
-                j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
-                k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr,
-                stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            seal = _key_seals(j, j_ok, cell, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+                              PLANES)
+            # per (query, key): seen by causality, then read reconstructed (sealed) or exact
+            seen = j_ok[None, :] & (j[None, :] <= pos[:, None])
+            sealed = seen & (pos[:, None] >= seal[None, :])
+            recon = tl.max(sealed.to(tl.int32), axis=0) > 0  # keys some query reads reconstructed
+            exact = tl.max((seen & ~sealed).to(tl.int32), axis=0) > 0  # keys some query reads exact
+            k_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            v_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            if tl.max(recon.to(tl.int32), axis=0) > 0:  # no decode in a block of exact keys
+                kr, vr = _reconstructed(j, recon, cell, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+                                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
+                                        num_kv_heads, max_groups, max_len, dtype, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                        PLANES, V_GROUPS, BF16_BY_HAND)
+                k_hat = kr.to(DOT_DTYPE)  # exact: kr holds DT values
+                v_hat = vr.to(DOT_DTYPE)
+            k_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            v_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            if tl.max(exact.to(tl.int32), axis=0) > 0:  # no tail load in a block of sealed keys
+                ke, ve = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh,
+                                stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
+                k_ex = ke.to(DOT_DTYPE)
+                v_ex = ve.to(DOT_DTYPE)
+            # a key that some queries read reconstructed and others exact (the tile straddles
+            # its seal) needs both versions in the block's products; otherwise one K and one V
+            both = tl.max((recon & exact).to(tl.int32), axis=0) > 0
+            if both:
+                s = tl.where(sealed, _dot(q, tl.trans(k_hat), DOT_FP32), _dot(q, tl.trans(k_ex), DOT_FP32))
             else:
-                s = tl.dot(q, tl.trans(k.to(dtype)))
-            s = tl.where(j_ok[None, :], s * scale, float("-inf"))
+                s = _dot(q, tl.trans(tl.where(recon[:, None], k_hat, k_ex)), DOT_FP32)
+            s = tl.where(seen, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)  # m_new is finite: every block has a visible key
-            p = tl.exp(s - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32:
-                pv = tl.dot(p, v, input_precision="ieee")
+            if both:
+                pv = _dot(tl.where(sealed, p, 0.0).to(DOT_DTYPE), v_hat, DOT_FP32)
+                pv += _dot(tl.where(sealed, 0.0, p).to(DOT_DTYPE), v_ex, DOT_FP32)
             else:
-                pv = tl.dot(p.to(dtype), v.to(dtype))
+                pv = _dot(p.to(DOT_DTYPE), tl.where(recon[:, None], v_hat, v_ex), DOT_FP32)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         empty = l_i == 0.0  # a split past the row's position
@@ -255,39 +364,49 @@ def _attention_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.log(l_safe))
         if SPLITS == 1:
             o = _rounded(o, out_ptr.dtype.element_ty, BF16_BY_HAND)
-            tl.store(out_ptr + n * stride_on + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=i_ok[:, None] & d_ok[None, :])
+            tl.store(out_ptr + row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=lane_ok[:, None] & d_ok[None, :])
             if WRITE_LSE:
-                tl.store(lse_ptr + n * stride_ln + head, lse, mask=i_ok)
+                tl.store(lse_ptr + row * stride_ln + head, lse, mask=lane_ok)
         else:
-            at = (n * num_heads + head) * SPLITS + split
-            tl.store(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], o, mask=i_ok[:, None])
-            tl.store(part_lse_ptr + at, lse, mask=i_ok)
+            at = (row * num_heads + head) * SPLITS + split
+            tl.store(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], o, mask=lane_ok[:, None])
+            tl.store(part_lse_ptr + at, lse, mask=lane_ok)
 
 
 @triton.jit
 def _combine_kernel(
-    part_o_ptr, part_lse_ptr, position_ptr, out_ptr, lse_ptr, stride_on, stride_oh, stride_ln, num_heads,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
+    part_o_ptr, part_lse_ptr, position_ptr, tiles_ptr, out_ptr, lse_ptr, stride_on, stride_oh, stride_ln,
+    num_heads, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_TILES: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """Per (row, query head): the splits' outputs weighted by exp(lse_s - lse)."""
-    n = tl.program_id(0).to(tl.int64)
+    """Per (row r of a tile, query head): the splits' outputs weighted by exp(lse_s - lse)."""
+    at_tile = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if tl.load(position_ptr + n) >= 0:
-        s = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        s_ok = s < SPLITS
-        at = (n * num_heads + head) * SPLITS + s
-        lse_s = tl.load(part_lse_ptr + at, mask=s_ok, other=float("-inf"))
-        top = tl.max(lse_s, axis=0)  # finite: split 0 always holds key 0
-        w = tl.exp(lse_s - top)
-        total = tl.sum(w, axis=0)
-        o = tl.load(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-        o = _rounded(tl.sum(w[:, None] * o, axis=0) / total, out_ptr.dtype.element_ty, BF16_BY_HAND)
-        tl.store(out_ptr + n * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-        if WRITE_LSE:
-            tl.store(lse_ptr + n * stride_ln + head, top + tl.log(total))
+    r = at_tile % TILE_ROWS
+    if HAS_TILES:
+        first = tl.load(tiles_ptr + at_tile // TILE_ROWS * 3).to(tl.int64)
+        rows = tl.load(tiles_ptr + at_tile // TILE_ROWS * 3 + 1)
+    else:  # TILE_ROWS is 1: program t combines row t
+        first = at_tile
+        rows = 1
+    n = first + r
+    if r < rows:
+        if tl.load(position_ptr + n) >= 0:
+            s = tl.arange(0, BLOCK_S)
+            d = tl.arange(0, BLOCK_D)
+            s_ok = s < SPLITS
+            at = (n * num_heads + head) * SPLITS + s
+            lse_s = tl.load(part_lse_ptr + at, mask=s_ok, other=float("-inf"))
+            top = tl.max(lse_s, axis=0)  # finite: split 0 always holds key 0
+            w = tl.exp(lse_s - top)
+            total = tl.sum(w, axis=0)
+            o = tl.load(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+            o = _rounded(tl.sum(w[:, None] * o, axis=0) / total, out_ptr.dtype.element_ty, BF16_BY_HAND)
+            tl.store(out_ptr + n * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+                     mask=d < HEAD_DIM)
+            if WRITE_LSE:
+                tl.store(lse_ptr + n * stride_ln + head, top + tl.log(total))
 
 
 @triton.jit
@@ -360,14 +479,29 @@ def _storage(k_tail, v_tail, tables, packed: PackedKV) -> tuple[torch.Tensor, ..
             packed.v.lo, packed.seal, packed.group_tables, packed.row_maps)
 
 
+def _check_tiles(tiles: torch.Tensor | None, tile_rows: int | None) -> int:
+    """The tile rows a launch takes: `tile_rows` (>= 1) with tiles; 1 without (a tile per row,
+    whatever tile_rows says)."""
+    if tiles is None:
+        return 1
+    assert tile_rows is not None and tile_rows >= 1, "tiles need tile_rows >= 1"
+    assert tiles.dim() == 2 and tiles.shape[1] == TILE_COLUMNS and tiles.is_contiguous(), "tiles must be [M, 3]"
+    assert not tiles.is_floating_point(), "tiles are integers"
+    return tile_rows
+
+
 def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
                             page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
-                            position: torch.Tensor, table_offset: torch.Tensor, *, return_lse: bool = False,
-                            num_splits: int = 1, block_n: int = 32,
-                            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch (rows, KV heads, splits) programs, plus the combine when split; no host sync."""
+                            position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
+                            tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
+                            block_n: int = 32, out: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
+    combine when split; no host sync (tiles are not checked against the rows: the reference
+    checks them)."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
+    tile_rows = _check_tiles(tiles, tile_rows)
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_tail.shape[1]
     gqa = num_heads // num_kv_heads
@@ -376,28 +510,35 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     assert block_n >= 32 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 32"
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(n, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
-    if n == 0:
+    num_tiles = n if tiles is None else tiles.shape[0]
+    if n == 0 or num_tiles == 0:
         return out, lse
     common = _common(k_tail, packed, page_size)
     lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
+    tiles_arg = tiles if tiles is not None else position  # never read without HAS_TILES
     part_o = part_lse = out
     if num_splits > 1:
         part_o = torch.empty(n * num_heads * num_splits, common["BLOCK_D"], dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n * num_heads * num_splits, dtype=torch.float32, device=q.device)
     lse_stride = lse.stride(0) if lse is not None else 0
-    _attention_kernel[(n, num_kv_heads, num_splits)](
-        q, *_storage(k_tail, v_tail, tables, packed), *rows, out, lse_arg, part_o, part_lse,
+    dot_fp32 = _INTERPRET or q.dtype == torch.float32
+    bg = triton.next_power_of_2(gqa)
+    _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse,
         q.stride(0), q.stride(1), k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1),
         out.stride(0), out.stride(1), lse_stride,
         num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5,
-        GQA=gqa, BLOCK_M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, SPLITS=num_splits,
-        DOT_FP32=_INTERPRET or q.dtype == torch.float32, WRITE_LSE=return_lse, enable_fp_fusion=False, **common,
+        GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLITS=num_splits,
+        DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
+        enable_fp_fusion=False, **common,
     )
     if num_splits > 1:
-        _combine_kernel[(n, num_heads)](
-            part_o, part_lse, position, out, lse_arg, out.stride(0), out.stride(1), lse_stride, num_heads,
-            HEAD_DIM=head_dim, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=common["BLOCK_D"], BF16_BY_HAND=common["BF16_BY_HAND"], WRITE_LSE=return_lse,
+        _combine_kernel[(num_tiles * tile_rows, num_heads)](
+            part_o, part_lse, position, tiles_arg, out, lse_arg, out.stride(0), out.stride(1), lse_stride,
+            num_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None, SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=common["BLOCK_D"],
+            BF16_BY_HAND=common["BF16_BY_HAND"], WRITE_LSE=return_lse,
         )
     return out, lse
 
@@ -503,23 +644,48 @@ def read_keys_reference(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torc
     return k_out, v_out
 
 
+def tile_rows_covered(tiles: torch.Tensor, tile_rows: int, cell: torch.Tensor, depth: torch.Tensor,
+                      table_offset: torch.Tensor) -> torch.Tensor:
+    """Which rows [N] (bool) `tiles` cover, asserting the kernel's contract (host side, it
+    syncs): at most tile_rows rows a tile, each row at most once, a tile's rows sharing its
+    first row's cell and depth and the tile's table offset."""
+    _check_tiles(tiles, tile_rows)
+    n = cell.shape[0]
+    covered = torch.zeros(n, dtype=torch.bool)
+    cells, depths, offsets = cell.tolist(), depth.tolist(), table_offset.tolist()
+    for first, rows, table in tiles.tolist():
+        if rows == 0:  # padding
+            continue
+        assert 0 < rows <= tile_rows and 0 <= first and first + rows <= n, f"tile {(first, rows, table)} out of range"
+        span = range(first, first + rows)
+        assert not covered[first:first + rows].any(), f"tile {(first, rows, table)} covers a row twice"
+        covered[first:first + rows] = True
+        assert {(cells[i], depths[i], offsets[i]) for i in span} == {(cells[first], depths[first], table)}, (
+            f"tile {(first, rows, table)}: rows of one cell, depth and table offset")
+    return covered.to(cell.device)
+
+
 def packed_attention_reference(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
                                page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
-                               position: torch.Tensor, table_offset: torch.Tensor, *, return_lse: bool = False,
-                               num_splits: int = 1, block_n: int = 32,
+                               position: torch.Tensor, table_offset: torch.Tensor, *,
+                               tiles: torch.Tensor | None = None, tile_rows: int | None = None,
+                               return_lse: bool = False, num_splits: int = 1, block_n: int = 32,
                                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The same, row by row in plain PyTorch: `row_keys`, then fp32 scores, softmax and
     weighted sum (fp64 for fp64 inputs, which only the reference takes; num_splits and
-    block_n only shape the kernel's work and are ignored here).
-    Padding rows (negative position) are left as `out` had them (zeros when new)."""
+    block_n only shape the kernel's work and are ignored here). With `tiles`, only the rows
+    they cover (the tiles checked by `tile_rows_covered`); tiles shape nothing else.
+    Padding rows (negative position) and rows no tile covers are left as `out` had them
+    (zeros when new; lse -inf)."""
     _check(q, k_tail, v_tail, tables, packed, (cell, depth, position, table_offset), REFERENCE_DTYPES)
     n, num_heads, head_dim = q.shape
+    covered = [True] * n if tiles is None else tile_rows_covered(tiles, tile_rows, cell, depth, table_offset).tolist()
     gqa = num_heads // k_tail.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros_like(q) if out is None else out
     lse = torch.full((n, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for i, (c, d, pos, off) in enumerate(zip(cell.tolist(), depth.tolist(), position.tolist(), table_offset.tolist())):
-        if pos < 0:
+        if pos < 0 or not covered[i]:
             continue
         k, v = row_keys(k_tail, v_tail, tables, page_size, packed, c, d, pos, off)
         k = k.to(compute).repeat_interleave(gqa, dim=1)  # [L, Hq, D]
@@ -542,14 +708,17 @@ def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
 
 def packed_attention(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
                      page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
-                     position: torch.Tensor, table_offset: torch.Tensor, *, return_lse: bool = False,
-                     num_splits: int = 1, block_n: int = 32, out: torch.Tensor | None = None,
+                     position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
+                     tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
+                     block_n: int = 32, out: torch.Tensor | None = None,
                      use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out [N, Hq, D] (q's dtype) and, with return_lse, lse [N, Hq] fp32: each row's
-    attention over keys 0..position as the read rule gives them (module docstring)."""
+    attention over keys 0..position as the read rule gives them (module docstring); with
+    `tiles` [M, 3] (first row, rows, table offset) only the rows they cover, each tile's
+    rows sharing its key blocks (at most `tile_rows` rows of one cell, depth and table)."""
     fn = packed_attention_triton if _use_triton(q, use_triton) else packed_attention_reference
-    return fn(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset,
-              return_lse=return_lse, num_splits=num_splits, block_n=block_n, out=out)
+    return fn(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset, tiles=tiles,
+              tile_rows=tile_rows, return_lse=return_lse, num_splits=num_splits, block_n=block_n, out=out)
 
 
 def read_keys(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, packed: PackedKV,
