@@ -210,9 +210,9 @@ class TritonAttention:
         assert lp.tiles is not None, "the forward batch was built without query tiles"
         splits = lp.num_splits
         longest = max((s.context for s in lp.groups), default=0)
-        if lp.encode_plan is not None:  # the packed reader: a program per row, not per tile
+        if lp.encode_plan is not None:  # the packed reader, over the same query tiles
             readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
-            splits = choose_splits(lp.num_rows, self.num_kv_heads, longest, self.num_sms)
+            splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
             return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
                               readers, lp.table_offsets)
         if splits is None:  # eager: from this call's tiles and longest context
@@ -227,7 +227,8 @@ class TritonAttention:
             store.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
             out, _ = packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
                                       store.layer_view(layer), res.cells, res.depths, res.positions,
-                                      meta.table_offsets, num_splits=meta.num_splits)
+                                      meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
+                                      tile_rows=meta.tile_rows)
             return out
         out, _ = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, meta.tiles,
                                  self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits)

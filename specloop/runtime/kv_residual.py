@@ -44,6 +44,7 @@ import torch
 from specloop.kernels import int4_groups
 from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_attention import PackedKV
+from specloop.kernels.residual_encode import encode_groups
 
 NEVER = 2**31 - 1  # seal of a group no query reads reconstructed (not encoded yet)
 
@@ -192,27 +193,17 @@ class PackedResiduals:
                tables: torch.Tensor, page_size: int) -> None:
         """Write layer `layer` of the plan's ready groups from the exact values in the BF16
         tail (k_tail, v_tail [S, Hkv, D]: this layer of the pool; each candidate's rows at
-        their plane's page table). Plane by plane: a residual needs the plane before."""
+        their plane's page table): one launch per plane (`residual_encode.encode_groups`:
+        Triton on CUDA, its torch reference elsewhere), in plane order, since a residual
+        reads the reconstruction of the plane before."""
         for p in range(len(plan.cells)):
-            cells, positions, records = plan.cells[p], plan.positions[p], plan.records[p]
-            if cells.numel() == 0:
-                continue
-            pages = tables[plan.table_offsets[p].clamp(min=0)[:, None] + positions // page_size]
-            slots = pages * page_size + positions % page_size  # [M, 64]
-            k, v = k_tail[slots], v_tail[slots]  # [M, 64, Hkv, D]
-            if p > 0:
-                k_prev, v_prev = self.reconstruct(layer, cells, p - 1, positions)
-                k, v = k - k_prev, v - v_prev
-            valid = torch.full((cells.numel(),), GROUP, dtype=torch.int32, device=k.device)
-            kg = int4_groups.quantize_k_groups(k.contiguous(), valid)
-            vg = int4_groups.quantize_v_groups(v.flatten(0, 1).contiguous())
-            self.k_codes[layer, records] = kg.codes
-            self.k_scale[layer, records] = kg.scale
-            self.k_lo[layer, records] = kg.lo
-            rows = (records[:, None] * GROUP + torch.arange(GROUP, device=k.device)).flatten()
-            self.v_codes[layer, rows] = vg.codes
-            self.v_scale[layer, rows] = vg.scale
-            self.v_lo[layer, rows] = vg.lo
+            if plan.cells[p].numel():
+                encode_groups(k_tail, v_tail, tables, page_size, p, plan.cells[p].contiguous(),
+                              plan.positions[p].contiguous(), plan.records[p].contiguous(),
+                              plan.ready[p].contiguous(), plan.table_offsets[p].contiguous(),
+                              self.k_codes[layer], self.k_scale[layer], self.k_lo[layer], self.v_codes[layer],
+                              self.v_scale[layer], self.v_lo[layer], self.group_tables, self.row_maps,
+                              sink=self.sink)
 
     # --- reads --------------------------------------------------------------------------
 
