@@ -7,7 +7,9 @@
 # served load; PART=preempt the preemption tests on the GPU and bench/preemption.py;
 # PART=flashloop the token-sparse prefill GPU tests and bench/sparse_prefill.py;
 # PART=quality bench/flashloop_quality.py and the shipped model's acceptance (carry
-# out/stdlib_tokens.npz). Unset: tests, preempt, bench and serve, one after the other.
+# out/stdlib_tokens.npz); PART=residual the INT4 residual kernels' and engine's GPU tests,
+# bench/kv_residual.py and bench/profile_kv_residual.py. Unset: tests, preempt, bench and
+# serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,6 +32,16 @@ if [ "$PART" = flashloop ]; then
   TAIL=8 step 150 python -m pytest -q -rf --tb=short tests/test_token_sparse_prefill.py tests/test_cuda_no_sync.py
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
   TAIL=20 step 330 python bench/sparse_prefill.py --model /tmp/ouro14 --out "$OUT/sparse_prefill_h200.json"
+  exit 0
+fi
+if [ "$PART" = residual ]; then
+  TAIL=12 step 200 python -m pytest -q -rf --tb=short tests/test_kernels_residual_encode.py \
+    tests/test_kernels_packed_attention.py tests/test_kernels_int4_groups.py
+  TAIL=6 step 120 python -m pytest -q -rf --tb=short tests/test_kv_residual_engine.py -k cuda
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  TAIL=12 step 120 python bench/profile_kv_residual.py --model /tmp/ouro14 --out "$OUT/profile_kv_residual_h200.json"
+  TAIL=20 step 240 python bench/kv_residual.py --model /tmp/ouro14 --out "$OUT/kv_residual_h200.json" \
+    --parts memory,decode --lengths 8192 --decode-tokens 32 --concurrent 32 --concurrent-prompt 1024 --sparse
   exit 0
 fi
 if [ "$PART" = quality ]; then
