@@ -184,6 +184,9 @@ class DelayedTicket:
         self._on_fire()
         return self._ticket.result()
 
+    def releases(self) -> list[tuple[str, int, int]]:
+        return self._ticket.releases()
+
 
 def _faulty_commit(real: Callable[["Request", SampleResult], "RequestOutput"], faults: Faults,
                    fault_log: FaultLog) -> Callable[["Request", SampleResult], "RequestOutput"]:
