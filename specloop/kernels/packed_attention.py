@@ -99,6 +99,7 @@ import triton.language as tl
 from specloop.kernels import DTYPES
 from specloop.kernels.int4_groups import GROUP, PAIRS, KGroups, VGroups, unpack_codes
 from specloop.kernels.paged_attention import TILE_COLUMNS
+from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NEVER = 2**31 - 1  # record_seal of a record no query reads reconstructed
@@ -127,18 +128,6 @@ class PackedKV:
 
 
 # --- Triton ---------------------------------------------------------------------------
-
-@triton.jit
-def _rounded(v, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """v rounded to DTYPE to nearest even, returned as fp32 (by hand on the bits for bf16
-    under the interpreter; NaN stays NaN there too)."""
-    if BF16_BY_HAND:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-    else:
-        return v.to(DTYPE).to(tl.float32)
-
 
 @triton.jit
 def _key_seals(
@@ -189,7 +178,7 @@ def _reconstructed(
             meta = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
             scale = tl.load(k_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
             lo = tl.load(k_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-            dk = _rounded(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+            dk = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
             # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per 64 channels
             vrow = (rec * 64 + row) * num_kv_heads + kv_head
             byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
@@ -198,13 +187,13 @@ def _reconstructed(
             meta = vrow[:, None] * V_GROUPS + d[None, :] // 64
             scale = tl.load(v_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
             lo = tl.load(v_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-            dv = _rounded(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+            dv = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
             if p == 0:
                 k = tl.where(ok, dk, 0.0)
                 v = tl.where(ok, dv, 0.0)
             else:
-                k = tl.where(ok, _rounded(k + dk, DTYPE, BF16_BY_HAND), k)
-                v = tl.where(ok, _rounded(v + dv, DTYPE, BF16_BY_HAND), v)
+                k = tl.where(ok, round_to(k + dk, DTYPE, BF16_BY_HAND), k)
+                v = tl.where(ok, round_to(v + dv, DTYPE, BF16_BY_HAND), v)
     return k, v
 
 
@@ -363,7 +352,7 @@ def _attention_kernel(
         o = acc / l_safe[:, None]
         lse = tl.where(empty, float("-inf"), m_i + tl.log(l_safe))
         if SPLITS == 1:
-            o = _rounded(o, out_ptr.dtype.element_ty, BF16_BY_HAND)
+            o = round_to(o, out_ptr.dtype.element_ty, BF16_BY_HAND)
             tl.store(out_ptr + row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=lane_ok[:, None] & d_ok[None, :])
             if WRITE_LSE:
@@ -402,7 +391,7 @@ def _combine_kernel(
             w = tl.exp(lse_s - top)
             total = tl.sum(w, axis=0)
             o = tl.load(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-            o = _rounded(tl.sum(w[:, None] * o, axis=0) / total, out_ptr.dtype.element_ty, BF16_BY_HAND)
+            o = round_to(tl.sum(w[:, None] * o, axis=0) / total, out_ptr.dtype.element_ty, BF16_BY_HAND)
             tl.store(out_ptr + n * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
                      mask=d < HEAD_DIM)
             if WRITE_LSE:

@@ -82,6 +82,7 @@ from specloop.kernels.int4_groups import (
     quantize_k_groups_reference,
     quantize_v_groups_reference,
 )
+from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_PLANES = 4
@@ -89,18 +90,6 @@ REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch reference also takes fp
 
 
 # --- Triton ---------------------------------------------------------------------------
-
-@triton.jit
-def _to_dt(v, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """fp32 v rounded to DTYPE to nearest even, returned as fp32 (by hand on the bits for
-    bf16 under the interpreter, whose cast truncates; NaN stays NaN)."""
-    if BF16_BY_HAND:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-    else:
-        return v.to(DTYPE).to(tl.float32)
-
 
 @triton.jit
 def _dequantized(pos, c, ok, base, plane, head, sink, codes_ptr, scale_ptr, lo_ptr, group_tables_ptr,
@@ -130,7 +119,7 @@ def _dequantized(pos, c, ok, base, plane, head, sink, codes_ptr, scale_ptr, lo_p
         meta = (record * num_kv_heads + head) * HEAD_DIM + c
     scale = tl.load(scale_ptr + meta, mask=ok, other=1.0).to(tl.float32)
     lo = tl.load(lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-    return _to_dt(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND), has
+    return round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND), has
 
 
 @triton.jit
@@ -152,8 +141,8 @@ def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th,
             dq, has = _dequantized(pos, c, ok, base, p, head, sink, codes_ptr, scale_ptr, lo_ptr,
                                    group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V,
                                    HEAD_DIM, V_GROUPS, dtype, BF16_BY_HAND)
-            hat = tl.where(has, _to_dt(hat + dq, dtype, BF16_BY_HAND), hat)
-        x = _to_dt(x - hat, dtype, BF16_BY_HAND)
+            hat = tl.where(has, round_to(hat + dq, dtype, BF16_BY_HAND), hat)
+        x = round_to(x - hat, dtype, BF16_BY_HAND)
     return x
 
 

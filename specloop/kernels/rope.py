@@ -45,19 +45,8 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 from specloop.kernels import DTYPES
+from specloop.kernels.rounding import round_to
 _MAX_TILE = 4096  # elements of one (heads x half dim) tile: bounds registers for wide rows
-
-
-@triton.jit
-def _round(v, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """fp32 `v` rounded to nearest even in DTYPE, returned as fp32 (what an eager op in
-    DTYPE stores). By hand on the bits for bf16 under the interpreter; NaN stays NaN."""
-    if BF16_BY_HAND:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-    else:
-        return v.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -71,8 +60,8 @@ def _rope_kernel(
     j_ok = j < HALF
     pos = tl.load(positions_ptr + row).to(tl.float32)
     angle = pos * tl.load(inv_freq_ptr + j, mask=j_ok, other=0.0)
-    cos = _round(tl.cos(angle), dtype, BF16_BY_HAND)[None, :]
-    sin = _round(tl.sin(angle), dtype, BF16_BY_HAND)[None, :]
+    cos = round_to(tl.cos(angle), dtype, BF16_BY_HAND)[None, :]
+    sin = round_to(tl.sin(angle), dtype, BF16_BY_HAND)[None, :]
     base = x_ptr + row * stride_xn
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -82,9 +71,9 @@ def _rope_kernel(
         x1 = tl.load(lo_ptr, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(hi_ptr, mask=ok, other=0.0).to(tl.float32)
         # out = x * cos + cat([-x2, x1]) * sin, each op rounded to the dtype as eager torch does
-        lo = _round(_round(x1 * cos, dtype, BF16_BY_HAND) + _round(-x2 * sin, dtype, BF16_BY_HAND),
+        lo = round_to(round_to(x1 * cos, dtype, BF16_BY_HAND) + round_to(-x2 * sin, dtype, BF16_BY_HAND),
                     dtype, BF16_BY_HAND)
-        hi = _round(_round(x2 * cos, dtype, BF16_BY_HAND) + _round(x1 * sin, dtype, BF16_BY_HAND),
+        hi = round_to(round_to(x2 * cos, dtype, BF16_BY_HAND) + round_to(x1 * sin, dtype, BF16_BY_HAND),
                     dtype, BF16_BY_HAND)
         tl.store(lo_ptr, lo.to(dtype), mask=ok)
         tl.store(hi_ptr, hi.to(dtype), mask=ok)
