@@ -172,7 +172,6 @@ def test_triton_reader_matches_the_torch_backend(tiny_ckpt, device):
 
 @pytest.mark.parametrize("kw, message", [
     ({"speculation": "block"}, "does not run with speculation yet"),
-    ({"preemption_mode": "swap"}, "preempts by recompute only"),
     ({"kv_residual_quantization": {"policy": "execution"}}, "'execution' is not implemented yet"),
 ])
 def test_capability_errors(tiny_ckpt, kw, message):
@@ -239,3 +238,59 @@ def test_byte_budget_split_and_stats(tiny_ckpt):
     assert stats.kv_bytes_used == stats.kv_record_bytes_used == 0
     assert stats.kv_records_free == engine.kv.records.num_records
     assert stats.kv_residual_quantization["tail"] == TAIL and stats.kv_residual_quantization["enabled"]
+
+
+@pytest.mark.parametrize("steps", [3, 9, 14])
+def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps):
+    """A snapshot taken mid-prefill or mid-decode (groups encoded, tail pages given back)
+    carries the records, maps and counters; restored into a fresh engine through bytes, the
+    requests finish with the reference's tokens and logprobs."""
+    from specloop.engine.snapshot import RequestSnapshot
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    for p in range(len(PROMPTS)):
+        engine.add_request(f"r{p}", PROMPTS[p], params)
+    got: dict[str, tuple[list[int], list[float]]] = {}
+
+    def collect(outs):
+        for o in outs:
+            assert o.error is None, o.error
+            tokens, logprobs = got.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+
+    for _ in range(steps):
+        collect(engine.step())
+    released = sum(engine.kv.released(r.kv_key, p) for r in engine.scheduler.running for p in range(4))
+    snaps = {rid: RequestSnapshot.from_bytes(engine.snapshot(rid).to_bytes()) for rid in list(engine.requests)}
+    assert snaps
+    if steps == 14:
+        assert released > 0, "the late snapshot is taken after tail pages went back"
+    collect(engine.step())  # what quiescing committed comes out of the next step
+    fresh = _engine(tiny_ckpt, max_num_batched_tokens=64)
+    for snap in snaps.values():
+        fresh.restore(snap)
+    while fresh.has_unfinished():
+        collect(fresh.step())
+    _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
+    assert fresh.kv.num_free_pages == fresh.kv.num_pages and fresh.kv.records.num_free == fresh.kv.records.num_records
+
+
+def test_swap_preemption_carries_the_packed_planes(tiny_ckpt, refs):
+    """preemption_mode swap in a pool too small for all three: swapped-out requests come back
+    through snapshots of their packed planes and still emit the reference's tokens."""
+    engine = _engine(tiny_ckpt, num_kv_pages=150, max_num_batched_tokens=64, preemption_mode="swap")
+    got = _run(engine, {f"r{p}": PROMPTS[p] for p in (2, 0, 1)})
+    _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
+    assert engine.scheduler.num_preemptions > 0, "the pool must force a swap"
+
+
+def test_a_snapshot_without_packed_planes_is_refused(tiny_ckpt):
+    from specloop.engine.snapshot import SnapshotError
+    plain = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float64", num_kv_pages=512,
+                                                block_size=8, attention_backend="torch"))
+    plain.add_request("a", PROMPTS[1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    plain.step()
+    snap = plain.snapshot("a")
+    with pytest.raises(SnapshotError, match="kv_residual_quantization"):
+        _engine(tiny_ckpt).restore(snap)

@@ -197,9 +197,6 @@ class EngineCore:
         if cfg.speculation != "none":
             raise ConfigError("kv_residual_quantization does not run with speculation yet (candidates must stay "
                               "in the tail until committed); use speculation 'none'")
-        if cfg.preemption_mode != "recompute":
-            raise ConfigError("kv_residual_quantization preempts by recompute only so far (swap would have to carry "
-                              "the packed planes); use preemption_mode 'recompute'")
         planes, seqs = mcfg.num_loops, cfg.max_num_seqs
         record_bytes = PackedResiduals.record_bytes(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
         if cfg.num_kv_pages is not None:

@@ -15,6 +15,9 @@ weights-only unpickler, so a snapshot file cannot run code):
   rows planned so far when token-sparse prefill split it) and the speculation
   controller's state (a round or a pipeline mid-flight), with token slots by position;
 - `kv`: every page the request holds, per plane, in its stored format, with the frontiers;
+- `residual` (kv_residual_quantization): its cell's compact row maps, row and encoded
+  counts per plane, its records' contents (codes, FP16 parameters, row positions, seals)
+  in group order, and how many leading tail pages per plane were given back;
 - `slots`: the contents of its live token slots (hidden, exit state, depth, candidate,
   and for token-sparse prefill the previous hidden state and the selection mark),
   by position, and how many slots its round holds for rows not drafted yet;
@@ -42,12 +45,14 @@ from specloop.pipeline.token_pipeline import LiveToken, PipelineState
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.request import Request, Status, new_incarnation
+from specloop.scheduling.residual_records import GROUP as RECORD_ROWS
 
 if TYPE_CHECKING:
     from specloop.engine.core import EngineCore
 
 FORMAT = "specloop.request-snapshot"
-VERSION = 2  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows)
+VERSION = 3  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
+# 3: INT4 residual planes (records, compact row maps, counters, released tail pages)
 SLOT_FIELDS = SlotStorage.CARRIED
 
 
@@ -120,10 +125,10 @@ def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
     the request's last ticket)."""
     if req.swapped is not None:  # swapped out: its KV lives only in the swap-out snapshot, and
         return req.swapped  # nothing about it has changed since (no ticket holds it)
+    residual = None
     if req.status in (Status.RUNNING, Status.SWAPPING):
         if core.executor.runner.residuals is not None:
-            raise SnapshotError(f"request {req.request_id!r} holds INT4 residual KV, which snapshots do not carry "
-                                f"yet (kv_residual_quantization): snapshot it before it runs, or after it finishes")
+            residual = _capture_residual(core, req)
         kv, slots, cell = _capture_kv(core, req), _capture_slots(core, req), _capture_cell(core, req)
     else:  # waiting (new or preempted by recompute): nothing on the device yet
         kv, slots, cell = None, None, None
@@ -136,6 +141,7 @@ def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
         "kv": kv,
         "slots": slots,
         "cell": cell,
+        "residual": residual,
         "detokenizer": core._detok[req.request_id].state(),
     }
     return RequestSnapshot(data)
@@ -184,6 +190,32 @@ def _capture_kv(core: "EngineCore", req: Request) -> dict[str, Any]:
         "k": torch.stack([store.k[:, r] for r in rows]).cpu(),  # [planes, layers, pages * page_size, Hkv, D]
         "v": torch.stack([store.v[:, r] for r in rows]).cpu(),
     }
+
+
+RECORD_FIELDS = ("k_codes", "k_scale", "k_lo")  # indexed by record
+ROW_FIELDS = ("v_codes", "v_scale", "v_lo")  # indexed by record * 64 + row
+
+
+def _record_rows(ids: torch.Tensor) -> torch.Tensor:
+    return (ids[:, None] * RECORD_ROWS + torch.arange(RECORD_ROWS, device=ids.device)).flatten()
+
+
+def _capture_residual(core: "EngineCore", req: Request) -> dict[str, Any]:
+    """The request's INT4 residual planes: its cell's maps and counters over the positions
+    its pages cover, and its records' contents in (plane, group) order."""
+    store, kvm = core.executor.runner.residuals, core.kv
+    key, cell = req.kv_key, req.cell
+    tables = kvm.records.tables(key)
+    ids = torch.tensor([r for t in tables for r in t], dtype=torch.long, device=store.seal.device)
+    rows = _record_rows(ids)
+    covered = kvm.coverage(key)
+    out = {name: getattr(store, name)[:, ids].cpu() for name in RECORD_FIELDS}
+    out |= {name: getattr(store, name)[:, rows].cpu() for name in ROW_FIELDS}
+    out |= {"groups_per_plane": len(tables[0]), "covered": covered, "seal": store.seal[ids].cpu(),
+            "row_pos": store.row_pos[ids].cpu(), "row_maps": store.row_maps[cell, :, :covered].cpu(),
+            "rows": store.rows[cell].cpu(), "encoded": store.encoded[cell].cpu(),
+            "released": [kvm.released(key, p) for p in range(kvm.num_planes)]}
+    return out
 
 
 def _capture_slots(core: "EngineCore", req: Request) -> dict[str, Any]:
@@ -243,6 +275,18 @@ def check(core: "EngineCore", snap: RequestSnapshot, replacing: Request | None =
         raise SnapshotError(f"restoring {rid!r} needs {pages} KV pages; {kvm.num_available_pages} are free")
     if slots > sched.token_slots.num_free:
         raise SnapshotError(f"restoring {rid!r} needs {slots} token slots; {sched.token_slots.num_free} are free")
+    res = data.get("residual")
+    if (res is None) != (kvm.records is None):
+        raise SnapshotError(f"the snapshot of {rid!r} {'lacks' if res is None else 'holds'} INT4 residual planes "
+                            f"and this engine has kv_residual_quantization {'on' if res is None else 'off'}")
+    if res is not None:
+        need = kvm.records.records_for(None, data["kv"]["pages_per_plane"] * kvm.block_size)
+        if need > kvm.records.num_free:
+            raise SnapshotError(f"restoring {rid!r} needs {need} INT4 residual records; "
+                                f"{kvm.records.num_free} are free")
+        if res["covered"] > core.executor.runner.residuals.max_len:
+            raise SnapshotError(f"restoring {rid!r} needs {res['covered']} positions; this engine's "
+                                f"max_model_len is {core.executor.runner.residuals.max_len}")
     if not sched.cells.num_free:
         raise SnapshotError(f"restoring {rid!r} needs a request cell; all {sched.cells.size} are in use "
                             f"(max_num_seqs)")
@@ -274,6 +318,8 @@ def install(core: "EngineCore", snap: RequestSnapshot) -> Request:
         req.round = _restore_round(r["round"], spare if held is not None else None)
         req.cell = sched.cells.take()
         _restore_kv(core, req, data["kv"])
+        if data["residual"] is not None:
+            _restore_residual(core, req, data["residual"])
         _restore_slots(core, req, live, data["slots"])
         _restore_cell(core, req, data["cell"])
         req.status = Status.RUNNING
@@ -302,6 +348,33 @@ def _restore_kv(core: "EngineCore", req: Request, kv: dict[str, Any]) -> None:
         rows = _page_rows(kvm.page_table(req.kv_key, plane), store.page_size, store.k.device)
         store.k[:, rows] = kv["k"][plane].to(store.k.device)
         store.v[:, rows] = kv["v"][plane].to(store.v.device)
+
+
+def _restore_residual(core: "EngineCore", req: Request, res: dict[str, Any]) -> None:
+    """Write the INT4 residual planes into the records `_restore_kv` took and the request's
+    cell; then give back the tail pages the snapshot had given back."""
+    store, kvm = core.executor.runner.residuals, core.kv
+    key, device = req.kv_key, store.seal.device
+    tables = kvm.records.tables(key)
+    assert len(tables[0]) == res["groups_per_plane"], "the same coverage takes the same records"
+    ids = torch.tensor([r for t in tables for r in t], dtype=torch.long, device=device)
+    cell = torch.tensor([req.cell], device=device)
+    store.reset(cell)
+    for plane, records in enumerate(tables):
+        store.group_tables[req.cell, plane, : len(records)] = torch.tensor(records, dtype=torch.int32, device=device)
+    for name in RECORD_FIELDS:
+        getattr(store, name)[:, ids] = res[name].to(device)
+    rows = _record_rows(ids)
+    for name in ROW_FIELDS:
+        getattr(store, name)[:, rows] = res[name].to(device)
+    store.seal[ids] = res["seal"].to(device)
+    store.row_pos[ids] = res["row_pos"].to(device)
+    store.row_maps[req.cell, :, : res["covered"]] = res["row_maps"].to(device)
+    store.rows[req.cell] = res["rows"].to(device)
+    store.encoded[req.cell] = res["encoded"].to(device)
+    kvm.records.adopt(key)
+    for plane, pages in enumerate(res["released"]):
+        kvm.release_prefix(key, plane, pages)
 
 
 def _restore_slots(core: "EngineCore", req: Request, live: list[int], slots: dict[str, torch.Tensor]) -> None:

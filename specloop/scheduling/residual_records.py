@@ -95,6 +95,16 @@ class ResidualRecords:
         tables.fresh, tables.sent = False, len(tables.records[0])
         return fresh, first, [table[first:] for table in tables.records]
 
+    def tables(self, rid: str) -> list[list[int]]:
+        """A copy of the request's record ids, per plane, in group order."""
+        return [list(t) for t in self._requests[rid].records]
+
+    def adopt(self, rid: str) -> None:
+        """The device already holds every record of the request (a restored snapshot wrote
+        them): nothing to reset or send."""
+        tables = self._requests[rid]
+        tables.fresh, tables.sent = False, len(tables.records[0])
+
     def held(self, rid: str) -> int:
         return sum(len(t) for t in self._requests[rid].records) if rid in self._requests else 0
 
