@@ -90,11 +90,13 @@ HOST_HEADS = (Sample, Verify, VerifyCandidate)  # heads whose tokens go to the h
 class RecordUpdate:
     """INT4 residual group records of one request the device learns with this plan:
     `tables[plane]` names the records of groups first, first + 1, ...; `fresh`: the
-    request's cell starts over (its rows, maps and records are reset first)."""
+    request's cell starts over (its rows, maps and records are reset first); `truncate`:
+    speculation rolled back, so rows at positions >= it are dropped before anything else."""
 
     fresh: bool
     first: int
     tables: list[list[int]]
+    truncate: int | None = None  # rejected candidates: rows at positions >= it leave every plane first
 
 
 @dataclasses.dataclass
@@ -147,6 +149,7 @@ class ReleaseScan:
     cell: int
     frontier: int
     released: list[int]
+    committed: int  # rows at positions below it are committed (their groups may seal); past it: candidates
 
 
 @dataclasses.dataclass

@@ -171,7 +171,7 @@ def test_triton_reader_matches_the_torch_backend(tiny_ckpt, device):
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"speculation": "block"}, "does not run with speculation yet"),
+    ({"speculation": "block"}, "tail .5. must exceed 15 with block speculation"),
     ({"kv_residual_quantization": {"policy": "execution"}}, "'execution' is not implemented yet"),
 ])
 def test_capability_errors(tiny_ckpt, kw, message):
@@ -294,3 +294,61 @@ def test_a_snapshot_without_packed_planes_is_refused(tiny_ckpt):
     snap = plain.snapshot("a")
     with pytest.raises(SnapshotError, match="kv_residual_quantization"):
         _engine(tiny_ckpt).restore(snap)
+
+
+SPEC_TAIL = 13  # > (max_inflight_tickets + 1) x a round's rows (k 3: 4 rows, 2 tickets): the least allowed
+SPEC_TOKENS = 22
+
+
+def _check_serial(ckpt, prompt: list[int], tokens: list[int], logprobs: list[float]) -> None:
+    """The engine's tokens are the reference's greedy ones and its logprobs the reference's.
+    Under serial visibility one reference pass over prompt + tokens gives every step's
+    logits, so each token must be the argmax at its step (by induction, the reference's
+    own greedy continuation) and its logprob equal."""
+    model, _ = load_model(ckpt, dtype=torch.float64)
+    w, feats = weights_of(model), FlashLoopFeatures(kv_residual=KVResidual(tail=SPEC_TAIL))
+    logits = flashloop_forward(w, model.config, torch.tensor(prompt + tokens), len(prompt), feats, None).logits
+    steps = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)].double(), -1)
+    assert steps.argmax(-1).tolist() == tokens
+    assert logprobs == pytest.approx(steps[torch.arange(len(tokens)), tokens].tolist(), abs=1e-9)
+
+
+SPEC_MODES = {
+    "block-d1": {"speculation": "block", "draft_loops": 1, "num_speculative_tokens": 3},
+    "block-d2": {"speculation": "block", "draft_loops": 2, "num_speculative_tokens": 3},
+    "pipeline-d1": {"speculation": "pipeline", "draft_loops": 1},
+}
+
+
+@pytest.mark.parametrize("mode", list(SPEC_MODES))
+def test_speculation_reads_what_serial_decoding_reads(mode):
+    """Block rounds and token pipelines under the serial policy (the shipped model, whose
+    drafts get accepted and rejected): candidates stay in the tail until committed, rejected
+    ones leave every plane (their compact rows are reused), and a verification row reads
+    every key as serial decoding would: the greedy tokens and every logprob equal the
+    reference's (which decodes serially), across groups that fill and seal during decode."""
+    from specloop.assets import default_model_path
+    ckpt = default_model_path()
+    gen = torch.Generator().manual_seed(3)
+    # decoding fills a group (row 127; row 63) and reads it from its seal on (140; 76)
+    prompts = {"a": torch.randint(3, 4000, (120,), generator=gen).tolist(),
+               "b": torch.randint(3, 4000, (56,), generator=gen).tolist()}
+    engine = EngineCore(EngineConfig.from_kwargs(
+        str(ckpt), device="cpu", dtype="float64", num_kv_pages=512, block_size=8, attention_backend="torch",
+        max_num_batched_tokens=64, kv_residual_quantization={"tail": SPEC_TAIL}, **SPEC_MODES[mode]))
+    params = SamplingParams(max_tokens=SPEC_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    got: dict[str, tuple[list[int], list[float]]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            tokens, logprobs = got.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+    stats = engine.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "rounds must both accept and reject"
+    for rid, prompt in prompts.items():
+        assert len(got[rid][0]) == SPEC_TOKENS, rid
+        _check_serial(ckpt, prompt, *got[rid])
+    assert engine.kv.num_free_pages == engine.kv.num_pages and engine.kv.records.num_free == engine.kv.records.num_records

@@ -147,7 +147,7 @@ class EngineCore:
         sparse.check(mcfg.num_loops)
         window_slots = _window_slots(sparse, rows, config.max_num_seqs, mcfg.num_loops, num_token_slots)
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
-        residuals, residual_ints = self._residuals(num_pages, device)
+        residuals, residual_ints = self._residuals(num_pages, device, speculation)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation,
                                    preemption_mode=config.preemption_mode, token_sparse=sparse)
@@ -185,7 +185,7 @@ class EngineCore:
                  config.model, device, num_pages, config.block_size, num_pages * page_bytes / 2**20,
                  self.backend.name, "on" if graphed else "off")
 
-    def _residuals(self, num_pages: int, device: torch.device) -> tuple[PackedResiduals | None, int]:
+    def _residuals(self, num_pages: int, device: torch.device, speculation: Any) -> tuple[PackedResiduals | None, int]:
         """The INT4 residual planes (kv_residual_quantization), their host records and the
         forward batch's room for their integers; (None, 0) when off."""
         cfg, mcfg = self.config, self.model.config
@@ -194,9 +194,16 @@ class EngineCore:
             return None, 0
         if group.policy != "serial":
             raise ConfigError("kv_residual_quantization.policy 'execution' is not implemented yet; use 'serial'")
-        if cfg.speculation != "none":
-            raise ConfigError("kv_residual_quantization does not run with speculation yet (candidates must stay "
-                              "in the tail until committed); use speculation 'none'")
+        if speculation is not None:
+            # Candidates never seal, and the host learns what committed one ticket late: a
+            # query at a seal must find its group's rows committed, so the tail must outrun the
+            # positions the tickets in flight can hold past the committed ones.
+            ahead = (cfg.max_inflight_tickets + 1) * speculation.rows_per_request
+            if group.tail <= ahead:
+                raise ConfigError(f"kv_residual_quantization.tail ({group.tail}) must exceed {ahead} with "
+                                  f"{cfg.speculation} speculation here ((max_inflight_tickets + 1) x "
+                                  f"{speculation.rows_per_request} rows a request may run past its committed "
+                                  f"tokens): under the serial policy only committed tokens seal")
         planes, seqs = mcfg.num_loops, cfg.max_num_seqs
         record_bytes = PackedResiduals.record_bytes(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
         if cfg.num_kv_pages is not None:

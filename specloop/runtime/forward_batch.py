@@ -204,8 +204,9 @@ class ReleaseBatch:
 
     cells: torch.Tensor  # [C] long
     frontier: torch.Tensor  # [C] long
+    committed: torch.Tensor  # [C] long: rows at positions below it are committed
     released: torch.Tensor  # [C, P] long: leading pages given back so far
-    span: int  # positions checked per (request, plane), a multiple of the page size
+    span: int  # positions checked per (request, plane), a multiple of the page size (0: none)
 
 
 RELEASE_SPAN = 4096  # the most tail positions one call checks per request and plane
@@ -218,6 +219,7 @@ class ResidualUpdate:
 
     resets: torch.Tensor  # [R] long
     assign: torch.Tensor  # [A, 4] long
+    truncate: torch.Tensor  # [U, 2] long: (cell, keep): rows at positions >= keep leave every plane
 
 
 @dataclasses.dataclass
@@ -379,15 +381,18 @@ class ForwardBatchBuilder:
         """`ResidualUpdate` and every pass's `ResidualPass` as integers, and their sizes."""
         resets: list[int] = []
         assign: list[int] = []
+        truncate: list[int] = []
         for g in plan.groups:
             if g.records is None:
                 continue
             if g.records.fresh:
                 resets.append(g.cell)
+            if g.records.truncate is not None:
+                truncate += [g.cell, g.records.truncate]
             for plane, records in enumerate(g.records.tables):
                 for i, record in enumerate(records):
                     assign += [g.cell, plane, g.records.first + i, record]
-        out = resets + assign
+        out = resets + assign + truncate
         sizes = []
         for p in range(num_passes):
             shallowest: dict[int, int] = {}
@@ -407,19 +412,20 @@ class ForwardBatchBuilder:
             sizes.append((len(cells), most // 64 + self.num_loops + 2))
         bs = self.page_size
         span = max((scan.frontier - r * bs for scan in plan.releases for r in scan.released), default=0)
-        span = min(RELEASE_SPAN, -(-span // bs) * bs)
-        if span > 0:
-            for scan in plan.releases:
-                out += [scan.cell, scan.frontier, *scan.released]
-        return out, (len(resets), len(assign) // 4, sizes, len(plan.releases) if span > 0 else 0, span)
+        span = max(0, min(RELEASE_SPAN, -(-span // bs) * bs))
+        for scan in plan.releases:
+            out += [scan.cell, scan.frontier, scan.committed, *scan.released]
+        return out, (len(resets), len(assign) // 4, len(truncate) // 2, sizes, len(plan.releases), span)
 
     def _residual_views(self, batch: ForwardBatch, sizes: tuple, ints: torch.Tensor, at: int) -> None:
-        num_resets, num_assign, passes, num_scans, span = sizes
+        num_resets, num_assign, num_truncate, passes, num_scans, span = sizes
         resets = ints[at: at + num_resets]
         at += num_resets
         assign = ints[at: at + 4 * num_assign].view(num_assign, 4)
         at += 4 * num_assign
-        batch.residual_update = ResidualUpdate(resets, assign)
+        truncate = ints[at: at + 2 * num_truncate].view(num_truncate, 2)
+        at += 2 * num_truncate
+        batch.residual_update = ResidualUpdate(resets, assign, truncate)
         for lp, (c, candidates) in zip(batch.passes, passes):
             pass_cells = ints[at: at + c]
             at += c
@@ -427,8 +433,8 @@ class ForwardBatchBuilder:
             at += c * self.num_loops
             lp.residual = ResidualPass(batch.cells[: lp.num_rows], pass_cells, plane_tables, candidates)
         if num_scans:
-            scans = ints[at: at + num_scans * (2 + self.num_loops)].view(num_scans, 2 + self.num_loops)
-            batch.release = ReleaseBatch(scans[:, 0], scans[:, 1], scans[:, 2:], span)
+            scans = ints[at: at + num_scans * (3 + self.num_loops)].view(num_scans, 3 + self.num_loops)
+            batch.release = ReleaseBatch(scans[:, 0], scans[:, 1], scans[:, 2], scans[:, 3:], span)
 
     def _window_ints(self, windows: list[tuple[int, RowGroup, int, int]]) -> list[int]:
         """`WindowBatch`'s integers: padded window slots, per-group info, per-row entries."""

@@ -128,6 +128,15 @@ class PackedResiduals:
         self.group_tables[cell, plane, first_group: first_group + n] = records.to(torch.int32)
         self.seal[records.long()] = NEVER
 
+    def truncate(self, cells: torch.Tensor, keep: torch.Tensor) -> None:
+        """Speculation rolled back: rows at positions >= keep [n] leave every plane of `cells`
+        [n] (the next appends reuse their compact indices). Their groups were never encoded:
+        a group seals only once every row in it is committed."""
+        beyond = torch.arange(self.max_len, device=cells.device)[None, None, :] >= keep[:, None, None]
+        maps = self.row_maps[cells]  # [n, P, L]
+        self.rows[cells] = ((maps >= 0) & ~beyond).sum(-1)
+        self.row_maps[cells] = torch.where(beyond, torch.full_like(maps, -1), maps)
+
     # --- rows ---------------------------------------------------------------------------
 
     def append(self, cells: torch.Tensor, depths: torch.Tensor, positions: torch.Tensor,

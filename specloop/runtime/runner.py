@@ -79,8 +79,7 @@ class Runner:
         self.context = HeadContext(model, self.next_token, engine_seed)
         self._pin = self.device.type == "cuda"
         self.residuals = residuals  # INT4 cross-loop KV residual planes (the backend reads them too)
-        # Every row of a call is committed (no speculation with residuals yet): no cell's rows stop
-        # a group from sealing.
+        # Per request cell: rows at positions below it are committed (set by every call's plan).
         self._committed = torch.full((max_cells,), 2**62, dtype=torch.long, device=self.device)
         # Tests only: called with (window rows, the window's kept mask) after each selection.
         self.window_probe: sparse_prefill.Probe | None = None
@@ -91,6 +90,8 @@ class Runner:
         slots = self.slots
         if batch.residual_update is not None:  # before anything appends rows
             self._assign_records(batch.residual_update)
+        if batch.release is not None:
+            self._committed[batch.release.cells] = batch.release.committed
         if batch.windows is not None:  # before anything reads the rows' slots or positions
             sparse_prefill.run(slots, self.backend.kv, batch.windows, batch.token_slots, batch.passes[0], batch.tables,
                                batch.page_size, SCORE_EPS, self.window_probe)
@@ -125,7 +126,7 @@ class Runner:
                 last = w.first + w.rows
                 final[last - 1: last] = slots.hidden[w.window_slots[-1:]]
         released = None  # copied before the heads record the ticket's event
-        if batch.release is not None:
+        if batch.release is not None and batch.release.span > 0:
             released = _to_host(self._releasable(batch.release), self._pin)
         out = self._heads(batch, final)
         if released is not None:
@@ -168,6 +169,8 @@ class Runner:
         store = self.residuals
         if update.resets.numel():
             store.reset(update.resets)
+        if update.truncate.numel():
+            store.truncate(update.truncate[:, 0], update.truncate[:, 1])
         if update.assign.numel():
             cell, plane, group, record = update.assign.unbind(1)
             store.group_tables[cell, plane, group] = record.to(torch.int32)

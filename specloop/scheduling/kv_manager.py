@@ -292,7 +292,7 @@ class KVManager:
             del table[keep:]
         self._outstanding += req.outstanding_pages - before
         if self.records is not None:
-            self.records.truncate(rid, keep * self.block_size)
+            self.records.truncate(rid, frontier)  # the exact position: rows past it leave the device planes
         return self.allocator.decref(dropped)
 
     def free(self, rid: str) -> list[int]:

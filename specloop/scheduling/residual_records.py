@@ -26,6 +26,7 @@ class _Tables:
     records: list[list[int]]  # [plane] -> record ids of groups 0..
     sent: int = 0  # groups (per plane) the device has
     fresh: bool = True  # the device state of the request's cell must be reset first
+    truncate: int | None = None  # a rollback the device has not applied: drop rows at positions >= it
 
 
 class ResidualRecords:
@@ -73,6 +74,7 @@ class ResidualRecords:
         for table in tables.records:
             del table[keep:]
         tables.sent = min(tables.sent, keep)
+        tables.truncate = frontier if tables.truncate is None else min(tables.truncate, frontier)
         return self.allocator.decref(dropped)
 
     def restart(self, rid: str) -> None:
@@ -87,13 +89,13 @@ class ResidualRecords:
             return []
         return self.allocator.decref([r for table in tables.records for r in table])
 
-    def pending(self, rid: str) -> tuple[bool, int, list[list[int]]]:
-        """(fresh, first group, [plane] -> record ids from it) the device has not seen; marks
-        them sent (the plan that carries them runs before any later one)."""
+    def pending(self, rid: str) -> tuple[bool, int, list[list[int]], int | None]:
+        """(fresh, first group, [plane] -> record ids from it, truncate) the device has not
+        seen; marks them sent (the plan that carries them runs before any later one)."""
         tables = self._requests[rid]
-        fresh, first = tables.fresh, tables.sent
-        tables.fresh, tables.sent = False, len(tables.records[0])
-        return fresh, first, [table[first:] for table in tables.records]
+        fresh, first, truncate = tables.fresh, tables.sent, tables.truncate
+        tables.fresh, tables.sent, tables.truncate = False, len(tables.records[0]), None
+        return fresh, first, [table[first:] for table in tables.records], None if fresh else truncate
 
     def tables(self, rid: str) -> list[list[int]]:
         """A copy of the request's record ids, per plane, in group order."""
@@ -103,7 +105,7 @@ class ResidualRecords:
         """The device already holds every record of the request (a restored snapshot wrote
         them): nothing to reset or send."""
         tables = self._requests[rid]
-        tables.fresh, tables.sent = False, len(tables.records[0])
+        tables.fresh, tables.sent, tables.truncate = False, len(tables.records[0]), None
 
     def held(self, rid: str) -> int:
         return sum(len(t) for t in self._requests[rid].records) if rid in self._requests else 0

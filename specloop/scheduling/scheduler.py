@@ -42,6 +42,9 @@ from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
 
 
+ALL_COMMITTED = 2**62  # ReleaseScan.committed of a request without candidates
+
+
 class CellPool:
     """Free list of request cells (indices of per-request device state)."""
 
@@ -352,14 +355,21 @@ class Scheduler:
     def _release_scans(self, groups: list[RowGroup]) -> list[ReleaseScan]:
         """INT4 residuals: for each request in the plan, where the device should look for
         tail pages no query will read exact again once the plan ran: from each plane's
-        released pages up to the request's shallowest frontier (the plan's rows counted)."""
+        released pages up to the request's shallowest frontier (the plan's rows counted), or
+        its committed tokens when it speculates (a rejection re-runs the positions after
+        them); and the committed bound itself."""
         by_cell = {req.cell: req for req in self.running}
         scans = []
         for cell in dict.fromkeys(g.cell for g in groups):
-            key = by_cell[cell].kv_key
+            req = by_cell[cell]
+            key = req.kv_key
             frontier = min(self.kv.frontier(key, p) for p in range(self.num_loops))
             released = [self.kv.released(key, p) for p in range(self.num_loops)]
-            scans.append(ReleaseScan(key, cell, frontier, released))
+            # a speculating request's rows past its committed tokens are candidates: no group
+            # holding one may seal (the serial policy); every other row is committed
+            committed = len(req.prompt_ids) + len(req.output_ids) if req.speculating else ALL_COMMITTED
+            # a rollback re-runs positions from the committed ones on: no earlier query than that
+            scans.append(ReleaseScan(key, cell, min(frontier, committed), released, committed))
         return scans
 
     def _entry_rows(self, req: Request, start: int, rows: int, new_windows: bool = True) -> int:
@@ -462,8 +472,9 @@ class Scheduler:
             raise AssertionError("generated tokens enter depth 0 one at a time")
         records = None
         if self.kv.records is not None:  # every plane's table: the call may encode groups of any of them
-            fresh, first, tables = self.kv.records.pending(key)
-            records = RecordUpdate(fresh, first, tables) if fresh or tables[0] else None
+            fresh, first, tables, truncate = self.kv.records.pending(key)
+            if fresh or tables[0] or truncate is not None:
+                records = RecordUpdate(fresh, first, tables, truncate)
         planes = self.num_loops if self.adaptive_exit or self.kv.records is not None else last + 1
         deeper = [self.kv.page_table(key, p)[:pages] for p in range(depth + 1, planes)]
         return RowGroup(request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, cell=req.cell,
