@@ -37,8 +37,9 @@ def _engine(ckpt, sparse: bool = False, **kw) -> EngineCore:
         kv_residual_quantization={"tail": TAIL}, **extra, **kw))
 
 
-def _run(engine: EngineCore, prompts: dict[str, list[int]], stagger: bool = False) -> dict[str, tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+def _run(engine: EngineCore, prompts: dict[str, list[int]], stagger: bool = False,
+         max_tokens: int = MAX_TOKENS) -> dict[str, tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
     out: dict[str, tuple[list[int], list[float]]] = {}
     pending = list(prompts.items())
     if not stagger:
@@ -336,19 +337,9 @@ def test_speculation_reads_what_serial_decoding_reads(mode):
     engine = EngineCore(EngineConfig.from_kwargs(
         str(ckpt), device="cpu", dtype="float64", num_kv_pages=512, block_size=8, attention_backend="torch",
         max_num_batched_tokens=64, kv_residual_quantization={"tail": SPEC_TAIL}, **SPEC_MODES[mode]))
-    params = SamplingParams(max_tokens=SPEC_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params)
-    got: dict[str, tuple[list[int], list[float]]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            assert o.error is None, o.error
-            tokens, logprobs = got.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
+    got = _run(engine, prompts, max_tokens=SPEC_TOKENS)
     stats = engine.stats()
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "rounds must both accept and reject"
     for rid, prompt in prompts.items():
         assert len(got[rid][0]) == SPEC_TOKENS, rid
         _check_serial(ckpt, prompt, *got[rid])
-    assert engine.kv.num_free_pages == engine.kv.num_pages and engine.kv.records.num_free == engine.kv.records.num_records
