@@ -123,7 +123,7 @@ def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]
     for store in stores:
         store.reset(torch.tensor(cell_ids, device=DEVICE))
         for (c, p), recs in assignment.items():
-            store.assign(c, p, 0, recs.to(DEVICE))
+            store.assign(c, p, torch.arange(recs.numel(), device=DEVICE), recs.to(DEVICE))
     pages_per = t // PAGE
     tables = torch.arange((cells + 1) * PLANES * pages_per, device=DEVICE)
     tail = torch.full((LAYERS, 2, tables.numel() * PAGE, heads, dim), float("nan"), dtype=dtype, device=DEVICE)

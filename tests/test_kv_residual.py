@@ -96,7 +96,7 @@ def _run(dim: int, dtype: torch.dtype, keeps: list[tuple[float, ...]], t: int, t
     rng.shuffle(records)  # records in any order
     for c in cell_ids:
         for p in range(PLANES):
-            store.assign(c, p, 0, torch.tensor([records.pop() for _ in range(groups)]))
+            store.assign(c, p, torch.arange(groups), torch.tensor([records.pop() for _ in range(groups)]))
     # the tail: plane p of cell c at pages [(c * P + p) * t / PAGE, ...)
     pages_per = t // PAGE
     tables = torch.arange((cells + 1) * PLANES * pages_per)
@@ -176,7 +176,7 @@ def test_uncommitted_rows_never_seal():
     when full; it encodes once the length passes it."""
     store = PackedResiduals(1, 4, 1, 1, 128, 1, 16, 64, torch.float32, torch.device("cpu"))
     store.reset(torch.tensor([0]))
-    store.assign(0, 0, 0, torch.tensor([2, 0]))
+    store.assign(0, 0, torch.arange(2), torch.tensor([2, 0]))
     store.append(torch.zeros(128, dtype=torch.long), torch.zeros(128, dtype=torch.long), torch.arange(128),
                  torch.ones(128, dtype=torch.bool))
     plan = EncodePlan([torch.tensor([0, 0])], [torch.tensor([0, 1])], [torch.tensor([0, 0])])

@@ -107,11 +107,6 @@ class PackedResiduals:
         per_layer += GROUP * num_kv_heads * -(-head_dim // GROUP) * 2 * 2  # V scale and lo per row group
         return num_layers * per_layer + 4 * GROUP + 4
 
-    @staticmethod
-    def cell_bytes(num_planes: int, max_len: int) -> int:
-        """One request cell's maps, group tables and counters."""
-        return num_planes * (4 * max_len + 4 * -(-max_len // GROUP) + 16)
-
     # --- request lifecycle --------------------------------------------------------------
 
     def reset(self, cells: torch.Tensor) -> None:
@@ -121,11 +116,12 @@ class PackedResiduals:
         self.encoded[cells] = 0
         self.group_tables[cells] = self.sink
 
-    def assign(self, cell: int, plane: int, first_group: int, records: torch.Tensor) -> None:
-        """Records for groups [first_group, first_group + n) of one plane of one cell; the
-        records' seals reset to NEVER (a recycled record keeps none of its past)."""
-        n = records.numel()
-        self.group_tables[cell, plane, first_group: first_group + n] = records.to(torch.int32)
+    def assign(self, cells: torch.Tensor | int, planes: torch.Tensor | int, groups: torch.Tensor,
+               records: torch.Tensor) -> None:
+        """Record `records[i]` holds group `groups[i]` of plane `planes[i]` of cell `cells[i]`
+        (ints broadcast); the records' seals reset to NEVER (a recycled record keeps none of
+        its past)."""
+        self.group_tables[cells, planes, groups] = records.to(torch.int32)
         self.seal[records.long()] = NEVER
 
     def truncate(self, cells: torch.Tensor, keep: torch.Tensor) -> None:

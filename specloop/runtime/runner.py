@@ -33,7 +33,7 @@ from specloop.runtime.attention import AttentionBackend, Bound
 from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ReleaseBatch, ResidualUpdate
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
-from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
+from specloop.runtime.kv_residual import EncodePlan, PackedResiduals
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.plan import Plan, RowGroup, Sample, Verify
 
@@ -172,9 +172,7 @@ class Runner:
         if update.truncate.numel():
             store.truncate(update.truncate[:, 0], update.truncate[:, 1])
         if update.assign.numel():
-            cell, plane, group, record = update.assign.unbind(1)
-            store.group_tables[cell, plane, group] = record.to(torch.int32)
-            store.seal[record] = NEVER
+            store.assign(*update.assign.unbind(1))
 
     def _residual_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> EncodePlan:
         """Append the pass's rows that write K/V (not exited) and plan which groups encode."""
