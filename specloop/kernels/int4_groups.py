@@ -330,7 +330,10 @@ def _encode(x32: torch.Tensor, ok: torch.Tensor, dim: int) -> tuple[torch.Tensor
     lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
     constant = hi == lo
     lo16 = lo.half()
-    scale16 = ((hi - lo) / LEVELS).half().clamp_min(SCALE_MIN).masked_fill(constant, 1.0)
+    # a tensor divisor: CUDA torch divides by a Python number as a product with its fp32
+    # reciprocal, which rounds differently from the kernels' IEEE division now and then
+    levels = torch.tensor(float(LEVELS), device=x32.device)
+    scale16 = ((hi - lo) / levels).half().clamp_min(SCALE_MIN).masked_fill(constant, 1.0)
     codes = ((x32 - lo16.float()) / scale16.float()).round().clamp(0, LEVELS)  # round half to even
     codes = codes.masked_fill(constant | ~ok, 0).to(torch.uint8)
     return codes, scale16, lo16

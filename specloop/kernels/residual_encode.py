@@ -147,6 +147,59 @@ def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th,
 
 
 @triton.jit
+def _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr, positions_ptr,
+              k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
+              PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+              BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """K of one (candidate, head): even rows 2p and odd rows 2p + 1 [32, BLOCK_D] (a code
+    byte's two nibbles), per-channel parameters."""
+    p = tl.arange(0, 32)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = d < HEAD_DIM
+    pos_a = tl.load(positions_ptr + m * 64 + 2 * p)
+    pos_b = tl.load(positions_ptr + m * 64 + 2 * p + 1)
+    a = _target(pos_a, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
+                k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+    b = _target(pos_b, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
+                k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+    lo16, scale16, varies = _stats(a, b, ok, ok, 0)  # per channel [1, BLOCK_D]
+    byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
+    tl.store(k_codes_ptr + ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, byte.to(tl.uint8), mask=ok)
+    meta = (record * num_kv_heads + head) * HEAD_DIM + d
+    tl.store(k_scale_ptr + meta, scale16.to(tl.float16), mask=ok)
+    tl.store(k_lo_ptr + meta, lo16.to(tl.float16), mask=ok)
+
+
+@triton.jit
+def _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr, positions_ptr,
+              v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
+              PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+              BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """V of one (candidate, head): rows [64, 1, 1] x groups [1, BLOCK_G, 1] x even channels
+    64 j + 2 i [1, BLOCK_G, 32], parameters per (row, 64 channels)."""
+    i = tl.arange(0, 64)[:, None, None]
+    j = tl.arange(0, BLOCK_G)[None, :, None]
+    c = 64 * j + 2 * tl.arange(0, 32)[None, None, :]
+    ok = c < HEAD_DIM  # D is even: so is c + 1 < D
+    pos = tl.load(positions_ptr + m * 64 + i)
+    a = _target(pos, c, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
+                v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+    b = _target(pos, c + 1, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
+                v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+    lo16, scale16, varies = _stats(a, b, ok, ok, 2)  # per (row, group) [64, BLOCK_G, 1]
+    byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
+    vrow = (record * 64 + i) * num_kv_heads + head
+    tl.store(v_codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, byte.to(tl.uint8), mask=ok)
+    meta = vrow * V_GROUPS + j
+    tl.store(v_scale_ptr + meta, scale16.to(tl.float16), mask=j < V_GROUPS)
+    tl.store(v_lo_ptr + meta, lo16.to(tl.float16), mask=j < V_GROUPS)
+
+
+@triton.jit
 def _encode_kernel(
     k_tail_ptr, v_tail_ptr, tables_ptr, cells_ptr, positions_ptr, records_ptr, ready_ptr, table_offsets_ptr,
     k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
@@ -154,6 +207,8 @@ def _encode_kernel(
     PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
+    # K and V bodies live in their own functions: a compiled if/else must give the names
+    # both branches assign one type, and K's tiles are 2-D where V's are 3-D.
     m = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if tl.load(ready_ptr + m) != 0:  # a candidate that is not ready writes nothing
@@ -161,45 +216,15 @@ def _encode_kernel(
         record = tl.load(records_ptr + m).to(tl.int64)
         table = tl.maximum(tl.load(table_offsets_ptr + m).to(tl.int64), 0)
         if tl.program_id(2) == 0:
-            # K: even rows 2p and odd rows 2p + 1 [32, BLOCK_D] (a code byte's two nibbles)
-            p = tl.arange(0, 32)[:, None]
-            d = tl.arange(0, BLOCK_D)[None, :]
-            ok = d < HEAD_DIM
-            pos_a = tl.load(positions_ptr + m * 64 + 2 * p)
-            pos_b = tl.load(positions_ptr + m * 64 + 2 * p + 1)
-            a = _target(pos_a, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
-                        k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                        max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-            b = _target(pos_b, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
-                        k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                        max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-            lo16, scale16, varies = _stats(a, b, ok, ok, 0)  # per channel [1, BLOCK_D]
-            byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
-            tl.store(k_codes_ptr + ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, byte.to(tl.uint8),
-                     mask=ok)
-            meta = (record * num_kv_heads + head) * HEAD_DIM + d
-            tl.store(k_scale_ptr + meta, scale16.to(tl.float16), mask=ok)
-            tl.store(k_lo_ptr + meta, lo16.to(tl.float16), mask=ok)
+            _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
+                      positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr,
+                      num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D,
+                      BF16_BY_HAND)
         else:
-            # V: rows [64, 1, 1] x groups [1, BLOCK_G, 1] x even channels 64 j + 2 i [1, BLOCK_G, 32]
-            i = tl.arange(0, 64)[:, None, None]
-            j = tl.arange(0, BLOCK_G)[None, :, None]
-            c = 64 * j + 2 * tl.arange(0, 32)[None, None, :]
-            ok = c < HEAD_DIM  # D is even: so is c + 1 < D
-            pos = tl.load(positions_ptr + m * 64 + i)
-            a = _target(pos, c, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
-                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                        max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-            b = _target(pos, c + 1, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
-                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                        max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-            lo16, scale16, varies = _stats(a, b, ok, ok, 2)  # per (row, group) [64, BLOCK_G, 1]
-            byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
-            vrow = (record * 64 + i) * num_kv_heads + head
-            tl.store(v_codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, byte.to(tl.uint8), mask=ok)
-            meta = vrow * V_GROUPS + j
-            tl.store(v_scale_ptr + meta, scale16.to(tl.float16), mask=j < V_GROUPS)
-            tl.store(v_lo_ptr + meta, lo16.to(tl.float16), mask=j < V_GROUPS)
+            _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
+                      positions_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
+                      num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G,
+                      BF16_BY_HAND)
 
 
 def _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,

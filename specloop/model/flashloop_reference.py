@@ -292,7 +292,9 @@ def quantize(x: torch.Tensor, dim: int, bits: int) -> QuantizedGroups:
     constant = (x == x.amin(dim, keepdim=True)).all(dim, keepdim=True)  # in x's own dtype
     lo16 = lo.half()
     # The smallest fp16 subnormal keeps a group whose spread underflows fp16 from dividing by 0.
-    scale16 = ((hi - lo) / levels).half().clamp_min(2.0**-24)
+    # Divided by a tensor: CUDA torch turns division by a Python number into a product with
+    # its fp32 reciprocal, which now and then rounds differently from an IEEE division.
+    scale16 = ((hi - lo) / torch.tensor(float(levels), device=x.device)).half().clamp_min(2.0**-24)
     scale16 = torch.where(constant, torch.ones_like(scale16), scale16)
     codes = ((x32 - lo16.float()) / scale16.float()).round().clamp(0, levels)  # half to even
     codes = torch.where(constant, torch.zeros_like(codes), codes).to(torch.uint8)
