@@ -91,10 +91,11 @@ class RecordUpdate:
     """INT4 residual group records of one request the device learns with this plan:
     `tables[plane]` names the records of groups first, first + 1, ...; `fresh`: the
     request's cell starts over (its rows, maps and records are reset first); `truncate`:
-    speculation rolled back, so rows at positions >= it are dropped before anything else."""
+    speculation rolled back, so rows at positions >= it are dropped before anything else.
+    `first[plane]`: planes grow by different counts (token-sparse planes hold fewer rows)."""
 
     fresh: bool
-    first: int
+    first: list[int]
     tables: list[list[int]]
     truncate: int | None = None  # rejected candidates: rows at positions >= it leave every plane first
 

@@ -20,6 +20,7 @@ from specloop.errors import ConfigError
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparsePrefill, flashloop_forward, \
     flashloop_greedy
 from specloop.sampling_params import SamplingParams
+from specloop.scheduling.residual_records import GROUP as RECORD_ROWS
 from tests.conftest import weights_of
 
 MAX_TOKENS = 6
@@ -38,7 +39,7 @@ def _engine(ckpt, sparse: bool = False, **kw) -> EngineCore:
 
 
 def _run(engine: EngineCore, prompts: dict[str, list[int]], stagger: bool = False,
-         max_tokens: int = MAX_TOKENS) -> dict[str, tuple[list[int], list[float]]]:
+         max_tokens: int = MAX_TOKENS, each_step=None) -> dict[str, tuple[list[int], list[float]]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
     out: dict[str, tuple[list[int], list[float]]] = {}
     pending = list(prompts.items())
@@ -55,6 +56,8 @@ def _run(engine: EngineCore, prompts: dict[str, list[int]], stagger: bool = Fals
             tokens, logprobs = out.setdefault(o.request_id, ([], []))
             tokens.extend(o.token_ids)
             logprobs.extend(o.logprobs or [])
+        if each_step is not None:
+            each_step(engine)
     assert engine.kv.num_free_pages == engine.kv.num_pages
     assert engine.kv.records.num_free == engine.kv.records.num_records
     return out
@@ -107,8 +110,21 @@ def test_staggered_arrivals_mix_prefill_and_decode(tiny_ckpt, refs):
 def test_with_token_sparse_prefill(tiny_ckpt, refs, batched_tokens):
     """Residual rows only for the tokens a window kept: compact rows, absent = inherited."""
     engine = _engine(tiny_ckpt, sparse=True, max_num_batched_tokens=batched_tokens)
-    got = _run(engine, {f"r{p}": PROMPTS[p] for p in range(len(PROMPTS))})
+    held: list[list[int]] = []
+
+    def rows_fit(engine: EngineCore) -> None:
+        """The host sizes a sparse plane's records by its windows' budgets: every row the
+        device wrote has a record, and the sparse planes take fewer than the dense ones."""
+        store = engine.executor.runner.residuals
+        for req in engine.scheduler.running:
+            tables = engine.kv.records.tables(req.kv_key)
+            rows = store.rows[req.cell].tolist()
+            assert all(r <= RECORD_ROWS * len(t) for r, t in zip(rows, tables)), (rows, [len(t) for t in tables])
+            held.append([len(t) for t in tables])
+
+    got = _run(engine, {f"r{p}": PROMPTS[p] for p in range(len(PROMPTS))}, each_step=rows_fit)
     _check(tiny_ckpt, refs, got, range(len(PROMPTS)), sparse=True)
+    assert any(h[3] < h[2] < h[0] for h in held), "window 16 at 1/1/0.5/0.25: planes 2 and 3 hold fewer records"
 
 
 def test_with_adaptive_exit(tiny_ckpt, refs):
@@ -241,13 +257,14 @@ def test_byte_budget_split_and_stats(tiny_ckpt):
     assert stats.kv_residual_quantization["tail"] == TAIL and stats.kv_residual_quantization["enabled"]
 
 
-@pytest.mark.parametrize("steps", [3, 9, 14])
-def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps):
+@pytest.mark.parametrize("steps, sparse", [(3, False), (9, False), (14, False), (9, True)])
+def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps, sparse):
     """A snapshot taken mid-prefill or mid-decode (groups encoded, tail pages given back)
     carries the records, maps and counters; restored into a fresh engine through bytes, the
-    requests finish with the reference's tokens and logprobs."""
+    requests finish with the reference's tokens and logprobs. With token-sparse prefill the
+    planes hold different numbers of records."""
     from specloop.engine.snapshot import RequestSnapshot
-    engine = _engine(tiny_ckpt, max_num_batched_tokens=64)
+    engine = _engine(tiny_ckpt, sparse=sparse, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
     for p in range(len(PROMPTS)):
         engine.add_request(f"r{p}", PROMPTS[p], params)
@@ -267,13 +284,16 @@ def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps):
     assert snaps
     if steps == 14:
         assert released > 0, "the late snapshot is taken after tail pages went back"
+    if sparse:
+        counts = [s.data["residual"]["groups_per_plane"] for s in snaps.values()]
+        assert any(c[3] < c[0] for c in counts), counts
     collect(engine.step())  # what quiescing committed comes out of the next step
-    fresh = _engine(tiny_ckpt, max_num_batched_tokens=64)
+    fresh = _engine(tiny_ckpt, sparse=sparse, max_num_batched_tokens=64)
     for snap in snaps.values():
         fresh.restore(snap)
     while fresh.has_unfinished():
         collect(fresh.step())
-    _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
+    _check(tiny_ckpt, refs, got, range(len(PROMPTS)), sparse=sparse)
     assert fresh.kv.num_free_pages == fresh.kv.num_pages and fresh.kv.records.num_free == fresh.kv.records.num_records
 
 

@@ -214,7 +214,7 @@ class EngineCore:
             num_records = int(self._kv_budget(device) * (1 - group.tail_share)) // record_bytes
         store = PackedResiduals(mcfg.num_hidden_layers, num_records, seqs, planes, self.max_model_len,
                                 mcfg.num_key_value_heads, mcfg.head_dim, group.tail, self.model.dtype, device)
-        self.kv.records = ResidualRecords(planes, num_records, record_bytes)
+        self.kv.records = ResidualRecords(planes, num_records, record_bytes, cfg.token_sparse_prefill)
         groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
         ints = seqs + 4 * planes * groups * seqs + planes * seqs * (1 + planes)
         return store, ints

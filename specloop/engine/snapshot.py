@@ -51,8 +51,9 @@ if TYPE_CHECKING:
     from specloop.engine.core import EngineCore
 
 FORMAT = "specloop.request-snapshot"
-VERSION = 3  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
-# 3: INT4 residual planes (records, compact row maps, counters, released tail pages)
+VERSION = 4  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
+# 3: INT4 residual planes (records, compact row maps, counters, released tail pages);
+# 4: residual records counted per plane (token-sparse planes hold fewer)
 SLOT_FIELDS = SlotStorage.CARRIED
 
 
@@ -211,7 +212,7 @@ def _capture_residual(core: "EngineCore", req: Request) -> dict[str, Any]:
     covered = kvm.coverage(key)
     out = {name: getattr(store, name)[:, ids].cpu() for name in RECORD_FIELDS}
     out |= {name: getattr(store, name)[:, rows].cpu() for name in ROW_FIELDS}
-    out |= {"groups_per_plane": len(tables[0]), "covered": covered, "seal": store.seal[ids].cpu(),
+    out |= {"groups_per_plane": [len(t) for t in tables], "covered": covered, "seal": store.seal[ids].cpu(),
             "row_pos": store.row_pos[ids].cpu(), "row_maps": store.row_maps[cell, :, :covered].cpu(),
             "rows": store.rows[cell].cpu(), "encoded": store.encoded[cell].cpu(),
             "released": [kvm.released(key, p) for p in range(kvm.num_planes)]}
@@ -280,7 +281,8 @@ def check(core: "EngineCore", snap: RequestSnapshot, replacing: Request | None =
         raise SnapshotError(f"the snapshot of {rid!r} {'lacks' if res is None else 'holds'} INT4 residual planes "
                             f"and this engine has kv_residual_quantization {'on' if res is None else 'off'}")
     if res is not None:
-        need = kvm.records.records_for(None, data["kv"]["pages_per_plane"] * kvm.block_size)
+        need = kvm.records.records_for(None, data["kv"]["pages_per_plane"] * kvm.block_size,
+                                       len(data["request"]["prompt_ids"]))
         if need > kvm.records.num_free:
             raise SnapshotError(f"restoring {rid!r} needs {need} INT4 residual records; "
                                 f"{kvm.records.num_free} are free")
@@ -341,7 +343,7 @@ def _restore_round(state: dict[str, Any] | None, spare: list[int] | None) -> Any
 
 def _restore_kv(core: "EngineCore", req: Request, kv: dict[str, Any]) -> None:
     store, kvm = core.executor.runner.backend.kv, core.kv
-    kvm.add_request(req.kv_key)
+    kvm.add_request(req.kv_key, prompt_len=len(req.prompt_ids))
     kvm.ensure(req.kv_key, kv["pages_per_plane"] * kvm.block_size)
     for plane, frontier in enumerate(kv["frontiers"]):
         kvm.advance(req.kv_key, plane, frontier)
@@ -356,7 +358,7 @@ def _restore_residual(core: "EngineCore", req: Request, res: dict[str, Any]) -> 
     store, kvm = core.executor.runner.residuals, core.kv
     key, device = req.kv_key, store.seal.device
     tables = kvm.records.tables(key)
-    assert len(tables[0]) == res["groups_per_plane"], "the same coverage takes the same records"
+    assert [len(t) for t in tables] == res["groups_per_plane"], "the same coverage takes the same records"
     ids = torch.tensor([r for t in tables for r in t], dtype=torch.long, device=device)
     cell = torch.tensor([req.cell], device=device)
     store.reset(cell)

@@ -391,7 +391,7 @@ class ForwardBatchBuilder:
                 truncate += [g.cell, g.records.truncate]
             for plane, records in enumerate(g.records.tables):
                 for i, record in enumerate(records):
-                    assign += [g.cell, plane, g.records.first + i, record]
+                    assign += [g.cell, plane, g.records.first[plane] + i, record]
         out = resets + assign + truncate
         sizes = []
         for p in range(num_passes):

@@ -226,9 +226,10 @@ class KVManager:
     def requests(self) -> list[str]:
         return list(self._requests)
 
-    def add_request(self, rid: str, reserve_tokens: int = 0) -> None:
+    def add_request(self, rid: str, reserve_tokens: int = 0, prompt_len: int = 0) -> None:
         """Admit `rid`, reserving pages for `reserve_tokens` positions in every plane (0: none,
-        admission by need)."""
+        admission by need). `prompt_len` sizes INT4 residual records of token-sparse planes
+        (0: every plane as dense)."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already has KV state")
         needed = self.pages_for(reserve_tokens)
@@ -239,6 +240,8 @@ class KVManager:
         planes = range(self.num_planes)
         self._requests[rid] = _RequestKV(needed, [[] for _ in planes], [0 for _ in planes], [0 for _ in planes])
         self._outstanding += needed
+        if self.records is not None:
+            self.records.add(rid, prompt_len)
 
     def pages_to_cover(self, rid: str, num_tokens: int) -> int:
         """Pages `ensure(rid, num_tokens)` would allocate (0 when already covered)."""

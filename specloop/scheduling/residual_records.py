@@ -3,9 +3,11 @@
 With `kv_residual_quantization` on, every plane of a request stores its compact rows in
 groups of 64, one record of the device pool (`specloop.runtime.kv_residual`) per group.
 Which positions have rows at a deep plane is decided on the device (token-sparse
-selection, adaptive exit), so the host provides records for the most rows a plane can hold:
-one per 64 positions the request's page tables cover, in every plane. The device fills
-them in row order and leaves the unused ones empty.
+selection, adaptive exit), so the host provides records for the most rows a plane can hold
+among the positions the request's page tables cover (`row_bound`): every position at a
+dense plane; with token-sparse prefill, at a sparse plane, a prompt window's budget of
+rows (the selection keeps exactly that many) plus every generated position. The device
+fills them in row order and leaves the unused ones empty.
 
 Records reach the device with the plan: a group of a request carries the assignments the
 device has not seen yet (`pending`), and `fresh` when the request's rows start over (a new
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.kv_manager import OutOfPages, PageAllocator
 
 GROUP = 64  # rows of a record (the codec's group)
@@ -24,17 +27,21 @@ GROUP = 64  # rows of a record (the codec's group)
 @dataclasses.dataclass
 class _Tables:
     records: list[list[int]]  # [plane] -> record ids of groups 0..
-    sent: int = 0  # groups (per plane) the device has
+    prompt_len: int  # the prompt's windows bound the rows of sparse planes
+    sent: list[int]  # [plane] -> groups the device has
     fresh: bool = True  # the device state of the request's cell must be reset first
     truncate: int | None = None  # a rollback the device has not applied: drop rows at positions >= it
 
 
 class ResidualRecords:
-    """Record ids per request and plane, from a fixed pool (every plane grows alike)."""
+    """Record ids per request and plane, from a fixed pool, as many per plane as its rows
+    can fill (`windows`: token-sparse prefill when some loop is sparse, else None)."""
 
-    def __init__(self, num_planes: int, num_records: int, record_bytes: int) -> None:
+    def __init__(self, num_planes: int, num_records: int, record_bytes: int,
+                 windows: TokenSparsePrefill | None = None) -> None:
         self.num_planes = num_planes
         self.record_bytes = record_bytes
+        self.windows = windows if windows is not None and windows.active else None
         self.allocator = PageAllocator(num_records)
         self._requests: dict[str, _Tables] = {}
 
@@ -46,42 +53,68 @@ class ResidualRecords:
     def num_free(self) -> int:
         return self.allocator.num_free
 
-    def records_for(self, rid: str | None, num_tokens: int) -> int:
-        """Records `ensure(rid, num_tokens)` would take (every plane; rid None: a new request)."""
-        have = len(self._requests[rid].records[0]) if rid in self._requests else 0
-        return max(0, -(-num_tokens // GROUP) - have) * self.num_planes
+    def row_bound(self, plane: int, prompt_len: int, num_tokens: int) -> int:
+        """The most rows plane `plane` holds among positions [0, num_tokens) of a request with a
+        `prompt_len`-token prompt: each complete prompt window keeps its budget at a sparse
+        plane, the window `num_tokens` cuts at most that many of the positions below it."""
+        w = self.windows
+        if w is None:
+            return num_tokens
+        prompt = min(num_tokens, prompt_len)
+        size = w.window
+        full = prompt // size  # windows [k * size, (k + 1) * size) below `prompt`, all of full length
+        rows = full * (w.budget(plane, size) if w.sparse(plane, size) else size)
+        cut = prompt - full * size
+        if cut:
+            length = min(size, prompt_len - full * size)
+            rows += min(cut, w.budget(plane, length) if w.sparse(plane, length) else length)
+        return rows + num_tokens - prompt
+
+    def _groups(self, prompt_len: int, num_tokens: int) -> list[int]:
+        return [-(-self.row_bound(p, prompt_len, num_tokens) // GROUP) for p in range(self.num_planes)]
+
+    def records_for(self, rid: str | None, num_tokens: int, prompt_len: int = 0) -> int:
+        """Records `ensure(rid, num_tokens)` would take, every plane (rid None: a new request
+        with a `prompt_len`-token prompt; 0 bounds every plane densely)."""
+        tables = self._requests.get(rid) if rid is not None else None
+        if tables is None:
+            return sum(self._groups(prompt_len, num_tokens))
+        want = self._groups(tables.prompt_len, num_tokens)
+        return sum(max(0, n - len(t)) for n, t in zip(want, tables.records))
+
+    def add(self, rid: str, prompt_len: int) -> None:
+        """Register `rid` with no records (its prompt length sizes its sparse planes)."""
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} already has residual records")
+        self._requests[rid] = _Tables([[] for _ in range(self.num_planes)], prompt_len, [0] * self.num_planes)
 
     def ensure(self, rid: str, num_tokens: int) -> None:
-        """Records for groups covering [0, num_tokens) in every plane; all or nothing."""
-        tables = self._requests.setdefault(rid, _Tables([[] for _ in range(self.num_planes)]))
-        need = self.records_for(rid, num_tokens)
+        """Records for every row positions [0, num_tokens) may hold, every plane; all or nothing."""
+        tables = self._requests[rid]
+        want = self._groups(tables.prompt_len, num_tokens)
+        grow = [max(0, n - len(t)) for n, t in zip(want, tables.records)]
+        need = sum(grow)
         if need == 0:
             return
         if need > self.allocator.num_free:
             raise OutOfPages(f"request {rid!r}: {need} residual records needed, {self.allocator.num_free} free")
         ids = self.allocator.allocate(need)
-        grow = need // self.num_planes
-        for plane, table in enumerate(tables.records):
-            table.extend(ids[plane * grow: (plane + 1) * grow])
+        for table, n in zip(tables.records, grow):
+            table.extend(ids[:n])
+            del ids[:n]
 
     def truncate(self, rid: str, frontier: int) -> list[int]:
         """Keep the groups that may hold rows of positions [0, frontier); free the rest."""
         tables = self._requests.get(rid)
         if tables is None:
             return []
-        keep = -(-frontier // GROUP)
-        dropped = [r for table in tables.records for r in table[keep:]]
-        for table in tables.records:
-            del table[keep:]
-        tables.sent = min(tables.sent, keep)
+        keep = self._groups(tables.prompt_len, frontier)
+        dropped = [r for table, k in zip(tables.records, keep) for r in table[k:]]
+        for table, k in zip(tables.records, keep):
+            del table[k:]
+        tables.sent = [min(s, k) for s, k in zip(tables.sent, keep)]
         tables.truncate = frontier if tables.truncate is None else min(tables.truncate, frontier)
         return self.allocator.decref(dropped)
-
-    def restart(self, rid: str) -> None:
-        """The request's rows start over (recompute): the device forgets them."""
-        if rid in self._requests:
-            self._requests[rid].sent = 0
-            self._requests[rid].fresh = True
 
     def free(self, rid: str) -> list[int]:
         tables = self._requests.pop(rid, None)
@@ -89,13 +122,13 @@ class ResidualRecords:
             return []
         return self.allocator.decref([r for table in tables.records for r in table])
 
-    def pending(self, rid: str) -> tuple[bool, int, list[list[int]], int | None]:
-        """(fresh, first group, [plane] -> record ids from it, truncate) the device has not
-        seen; marks them sent (the plan that carries them runs before any later one)."""
+    def pending(self, rid: str) -> tuple[bool, list[int], list[list[int]], int | None]:
+        """(fresh, [plane] -> first group, [plane] -> record ids from it, truncate) the device
+        has not seen; marks them sent (the plan that carries them runs before any later one)."""
         tables = self._requests[rid]
         fresh, first, truncate = tables.fresh, tables.sent, tables.truncate
-        tables.fresh, tables.sent, tables.truncate = False, len(tables.records[0]), None
-        return fresh, first, [table[first:] for table in tables.records], None if fresh else truncate
+        tables.fresh, tables.sent, tables.truncate = False, [len(t) for t in tables.records], None
+        return fresh, first, [t[f:] for t, f in zip(tables.records, first)], None if fresh else truncate
 
     def tables(self, rid: str) -> list[list[int]]:
         """A copy of the request's record ids, per plane, in group order."""
@@ -105,7 +138,7 @@ class ResidualRecords:
         """The device already holds every record of the request (a restored snapshot wrote
         them): nothing to reset or send."""
         tables = self._requests[rid]
-        tables.fresh, tables.sent, tables.truncate = False, len(tables.records[0]), None
+        tables.fresh, tables.sent, tables.truncate = False, [len(t) for t in tables.records], None
 
     def held(self, rid: str) -> int:
         return sum(len(t) for t in self._requests[rid].records) if rid in self._requests else 0

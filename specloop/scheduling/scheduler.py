@@ -238,7 +238,7 @@ class Scheduler:
         tokens = min(self._prompt_cover(req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
         records = self.kv.records
-        if records is not None and records.records_for(None, tokens) > records.num_free:
+        if records is not None and records.records_for(None, tokens, len(req.prompt_ids)) > records.num_free:
             return False
         return self.kv.pages_for(tokens) + spare <= self.kv.num_available_pages
 
@@ -257,7 +257,7 @@ class Scheduler:
             if not self._can_admit(req):
                 return admitted  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0)
+            self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0, len(req.prompt_ids))
             self.kv.ensure(req.kv_key, self._prompt_cover(req.num_host_tokens))  # the prompt's pages, now
             req.cell = self.cells.take()
             req.status = Status.RUNNING
