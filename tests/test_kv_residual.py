@@ -221,3 +221,112 @@ def test_configuration_errors_are_one_line(value, message):
     with pytest.raises(ConfigError, match=message) as info:
         KVResidualQuantization.parse(value)
     assert "\n" not in str(info.value)
+
+
+# --- the execution policy --------------------------------------------------------------
+
+def _exec_store(t: int, planes: int = 2, dim: int = 16) -> tuple[PackedResiduals, torch.Tensor, torch.Tensor]:
+    """An execution-policy store of one cell (0) with records for t rows in every plane, its
+    tail [L, K/V, planes * t, H, D] (plane p's positions at slots p * t + position) and page
+    tables (identity, plane p's at offset p * t / PAGE)."""
+    groups = -(-t // 64)
+    store = PackedResiduals(LAYERS, planes * groups, 1, planes, t, HEADS, dim, 64, torch.float32,
+                            torch.device("cpu"), policy="execution")
+    store.reset(torch.tensor([0]))
+    for p in range(planes):
+        store.assign(0, p, torch.arange(groups), torch.arange(groups) + p * groups)
+    tail = torch.full((LAYERS, 2, planes * t, HEADS, dim), float("nan"))
+    return store, tail, torch.arange(planes * t // PAGE)
+
+
+def _exec_pass(store: PackedResiduals, tail: torch.Tensor, tables: torch.Tensor, t: int,
+               rows: list[tuple[int, torch.Tensor, torch.Tensor]], first: list[int]) -> EncodePlan:
+    """One pass: rows (plane, positions, has-row) with their exact values written at
+    `values[plane][..]`, every group a candidate, the pass's first query per plane."""
+    cells, depths, positions, active = [], [], [], []
+    for p, pos, has in rows:
+        cells.append(torch.zeros_like(pos))
+        depths.append(torch.full_like(pos, p))
+        positions.append(pos)
+        active.append(has)
+    store.append(torch.cat(cells), torch.cat(depths), torch.cat(positions), torch.cat(active))
+    groups = -(-t // 64)
+    plan = EncodePlan(cells=[torch.zeros(groups, dtype=torch.long) for _ in range(store.num_planes)],
+                      groups=[torch.arange(groups) for _ in range(store.num_planes)],
+                      table_offsets=[torch.full((groups,), p * t // PAGE) for p in range(store.num_planes)])
+    store.plan_encode(plan, torch.tensor([2**62]), torch.tensor([first]))
+    for layer in range(LAYERS):
+        store.encode(layer, plan, tail[layer, 0], tail[layer, 1], tables, PAGE)
+    return plan
+
+
+def test_execution_policy_seals_at_the_pass_first_query():
+    """A chunk's own groups stay exact for all its queries (serial would seal group 0 at
+    127 inside the chunk); the next pass's first query, 64 past group 0, seals it there."""
+    t = 256
+    store, tail, tables = _exec_store(t, planes=1)
+    tail[:, :, :t] = torch.randn(LAYERS, 2, t, HEADS, 16)
+    plan = _exec_pass(store, tail, tables, t, [(0, torch.arange(130), torch.ones(130, dtype=torch.bool))], [0])
+    assert not plan.ready[0].any() and store.encoded[0, 0].item() == 0
+    plan = _exec_pass(store, tail, tables, t, [(0, torch.tensor([130]), torch.ones(1, dtype=torch.bool))], [130])
+    assert plan.ready[0].tolist() == [True, False, False, False]  # group 1 (last 127) waits for 191
+    assert store.seal[0].item() == 130 and store.seal[1].item() == NEVER
+    # a pass without queries of the plane seals nothing (NEVER is no safe point)
+    plan = _exec_pass(store, tail, tables, t, [(0, torch.arange(131, 200), torch.ones(69, dtype=torch.bool))],
+                      [NEVER])
+    assert not plan.ready[0].any()
+
+
+def test_execution_rollback_unseals_and_re_encodes_the_accepted_rows():
+    """Groups sealed over candidates: a rollback to 127 unseals plane 0's group 1 (it loses
+    row 127) and plane 1's group 0 (all its rows kept, but its residual was encoded against
+    plane 0's group 1). Their seals lie past the committed length, so their tails stay.
+    Re-running position 127 with
+    the accepted value re-encodes both to the bytes a store that never saw the rejected
+    value holds."""
+    t, dim = 256, 16
+    g = torch.Generator().manual_seed(4)
+    exact = torch.randn(LAYERS, 2, 2, t, HEADS, dim, generator=g)  # [L, K/V, plane, T, H, D]
+    rejected = exact.clone()
+    rejected[:, :, :, 127] = 40 * torch.randn(LAYERS, 2, 2, HEADS, dim, generator=g)  # widens its groups
+    has1 = torch.arange(t) % 2 == 0  # plane 1: even positions (group 0 ends at 126, in plane 0's group 1)
+
+    def run(values: torch.Tensor, rollback: bool):
+        store, tail, tables = _exec_store(t)
+        for p in range(2):
+            tail[:, :, p * t: (p + 1) * t] = values[:, :, p]
+        pos = torch.arange(200)
+        _exec_pass(store, tail, tables, t, [(0, pos, torch.ones(200, dtype=torch.bool)), (1, pos, has1[:200])], [0, 0])
+        _exec_pass(store, tail, tables, t, [(0, torch.tensor([200]), torch.ones(1, dtype=torch.bool)),
+                                            (1, torch.tensor([200]), has1[200:201])], [200, 200])
+        assert store.encoded[0].tolist() == [2, 1]  # plane 0's groups 0, 1; plane 1's group 0
+        if rollback:
+            cell = torch.tensor([0])
+            # a tail page goes back once its seals are <= the committed length (127 here): those of
+            # plane 0's group 1 and of plane 1's group 0 lie past it (each seal is past its rows
+            # and its predecessor's seal), so their tails stay for the rollback
+            seal = store.seals(cell, 1, torch.arange(128)[None])[0]
+            assert (seal[has1[:128]] > 127).all() and (seal[64:] > 127).all()
+            store.truncate(cell, torch.tensor([127]))
+            assert store.encoded[0].tolist() == [1, 0] and store.rows[0].tolist() == [127, 64]
+            assert store.seal[1].item() == NEVER and store.seal[4].item() == NEVER  # records of those groups
+            for p in range(2):  # the accepted value at 127, and what follows
+                tail[:, :, p * t + 127: (p + 1) * t] = exact[:, :, p, 127:]
+            pos = torch.arange(127, 201)  # the re-run: its first query (127) seals nothing again
+            plan = _exec_pass(store, tail, tables, t, [(0, pos, torch.ones(74, dtype=torch.bool)),
+                                                       (1, pos, has1[127:201])], [127, 127])
+            assert not any(r.any() for r in plan.ready)
+        _exec_pass(store, tail, tables, t, [(0, torch.tensor([201]), torch.ones(1, dtype=torch.bool)),
+                                            (1, torch.tensor([201]), has1[201:202])], [201, 201])
+        return store
+
+    got, want = run(rejected, rollback=True), run(exact, rollback=False)
+    assert got.encoded[0].tolist() == want.encoded[0].tolist() == [2, 1]
+    for name in ("k_codes", "k_scale", "k_lo", "v_codes", "v_scale", "v_lo"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    keys = torch.arange(202)[None]
+    for p in range(2):
+        for layer in range(LAYERS):
+            for a, b in zip(got.reconstruct(layer, torch.tensor([0]), p, keys),
+                            want.reconstruct(layer, torch.tensor([0]), p, keys)):
+                assert torch.equal(a, b)

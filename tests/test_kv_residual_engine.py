@@ -20,6 +20,7 @@ from specloop.errors import ConfigError
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparsePrefill, flashloop_forward, \
     flashloop_greedy
 from specloop.sampling_params import SamplingParams
+from specloop.runtime.kv_residual import NEVER
 from specloop.scheduling.residual_records import GROUP as RECORD_ROWS
 from tests.conftest import weights_of
 
@@ -35,7 +36,7 @@ def _engine(ckpt, sparse: bool = False, **kw) -> EngineCore:
     return EngineCore(EngineConfig.from_kwargs(
         str(ckpt), device=kw.pop("device", "cpu"), dtype=kw.pop("dtype", "float64"),
         num_kv_pages=kw.pop("num_kv_pages", 512), block_size=8, attention_backend=kw.pop("attention_backend", "torch"),
-        kv_residual_quantization={"tail": TAIL}, **extra, **kw))
+        kv_residual_quantization={"tail": kw.pop("tail", TAIL), "policy": kw.pop("policy", "serial")}, **extra, **kw))
 
 
 def _run(engine: EngineCore, prompts: dict[str, list[int]], stagger: bool = False,
@@ -189,7 +190,6 @@ def test_triton_reader_matches_the_torch_backend(tiny_ckpt, device):
 
 @pytest.mark.parametrize("kw, message", [
     ({"speculation": "block"}, "tail .5. must exceed 15 with block speculation"),
-    ({"kv_residual_quantization": {"policy": "execution"}}, "'execution' is not implemented yet"),
 ])
 def test_capability_errors(tiny_ckpt, kw, message):
     cfg = {"kv_residual_quantization": {"tail": TAIL}, "attention_backend": "torch"} | kw
@@ -363,3 +363,116 @@ def test_speculation_reads_what_serial_decoding_reads(mode):
     for rid, prompt in prompts.items():
         assert len(got[rid][0]) == SPEC_TOKENS, rid
         _check_serial(ckpt, prompt, *got[rid])
+
+
+# --- the execution policy ----------------------------------------------------------------
+
+def _encoded_groups(engine: EngineCore):
+    """(request, cell, plane, group, record, positions [64]) of every encoded group of the
+    running requests."""
+    store = engine.executor.runner.residuals
+    for req in engine.scheduler.running:
+        for p in range(store.num_planes):
+            for g in range(int(store.encoded[req.cell, p])):
+                record = int(store.group_tables[req.cell, p, g])
+                yield req, req.cell, p, g, record, store.row_pos[record].long()
+
+
+def _fresh_encodings(engine: EngineCore) -> int:
+    """Every encoded group whose rows' tail pages are held holds the bytes encoding them
+    now gives (the torch reference, into a copy of the layer's pools), at every layer: no
+    encoding of rejected candidates, or against a predecessor that changed since, survives.
+    And every position whose tail page went back still reads packed (a rollback never
+    unseals a group a given-back page needs). Returns how many groups it checked."""
+    from specloop.kernels.residual_encode import encode_groups_reference
+    store, kv = engine.executor.runner.residuals, engine.executor.runner.backend.kv
+    names = ("k_codes", "k_scale", "k_lo", "v_codes", "v_scale", "v_lo")
+    for req in engine.scheduler.running:
+        for p in range(store.num_planes):
+            gone = torch.arange(engine.kv.released(req.kv_key, p) * kv.page_size)
+            if gone.numel():
+                seal = store.seals(torch.tensor([req.cell]), p, gone[None])[0]
+                assert (seal < NEVER).all(), (req.request_id, p, "a given-back position reads exact")
+    checked = 0
+    for req, cell, p, g, record, positions in _encoded_groups(engine):
+        if int(positions.min()) < engine.kv.released(req.kv_key, p) * kv.page_size:
+            continue  # its tail went back: nothing can change it any more
+        tables = torch.tensor(engine.kv.page_table(req.kv_key, p))
+        one = lambda t: torch.tensor([t])  # noqa: E731
+        for layer in range(store.k_codes.shape[0]):
+            pools = [getattr(store, n)[layer].clone() for n in names]
+            encode_groups_reference(kv.k[layer], kv.v[layer], tables, kv.page_size, p, one(cell), positions[None],
+                                    one(record), torch.tensor([True]), one(0), *pools, store.group_tables,
+                                    store.row_maps, sink=store.sink)
+            rows = slice(record * RECORD_ROWS, (record + 1) * RECORD_ROWS)
+            for n, new in zip(names, pools):
+                at = rows if n.startswith("v_") else slice(record, record + 1)
+                assert torch.equal(new[at], getattr(store, n)[layer][at]), (req.request_id, p, g, layer, n)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_execution_policy_decodes_what_serial_decodes(tiny_ckpt, sparse):
+    """Prompts too short for any group to seal while they prefill: every group completes
+    and seals during decode, one position a pass, where the execution policy's safe point
+    is the serial policy's seal: the same tokens and bit-equal logprobs."""
+    prompts = {"a": PROMPTS[0][:60], "b": PROMPTS[1][:40]}
+    runs = {policy: _run(_engine(tiny_ckpt, sparse=sparse, policy=policy, max_num_batched_tokens=64), prompts,
+                         max_tokens=80) for policy in ("serial", "execution")}
+    assert runs["execution"] == runs["serial"]
+
+
+def test_execution_policy_seals_at_safe_points(tiny_ckpt):
+    """Chunked prefill: a chunk reads the groups it completes exact (its first query is the
+    safe point), so a group seals at or after its serial seal, later where a chunk held
+    it; every encoded group holds what its rows encode to."""
+    late, checked = [], []
+
+    def look(engine: EngineCore) -> None:
+        store = engine.executor.runner.residuals
+        for _, _, _, _, record, positions in _encoded_groups(engine):
+            seal, serial = int(store.seal[record]), int(positions[-1]) + TAIL
+            assert seal >= serial, (seal, serial)
+            late.append(seal > serial)
+        checked.append(_fresh_encodings(engine))
+
+    engine = _engine(tiny_ckpt, policy="execution", max_num_batched_tokens=64)
+    got = _run(engine, {f"r{p}": PROMPTS[p] for p in range(len(PROMPTS))}, each_step=look)
+    assert any(late), "a chunk's own groups seal at a later pass"
+    assert sum(checked) > 0
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in got.values())
+
+
+@pytest.mark.parametrize("mode", ["block-d1", "pipeline-d1"])
+def test_execution_policy_under_speculation_rolls_sealed_candidates_back(mode):
+    """A tail of 2 (the serial policy refuses it with speculation): groups seal over
+    candidates that get rejected. The rollback unseals them and the groups encoded against
+    them, their tails stay until their rows commit, and after every step every encoded
+    group holds what its current rows encode to; pages and records all come back."""
+    from specloop.assets import default_model_path
+    ckpt = default_model_path()
+    gen = torch.Generator().manual_seed(3)
+    prompts = {"a": torch.randint(3, 4000, (120,), generator=gen).tolist(),
+               "b": torch.randint(3, 4000, (56,), generator=gen).tolist()}
+    engine = EngineCore(EngineConfig.from_kwargs(
+        str(ckpt), device="cpu", dtype="float64", num_kv_pages=512, block_size=8, attention_backend="torch",
+        max_num_batched_tokens=64, kv_residual_quantization={"tail": 2, "policy": "execution"},
+        **SPEC_MODES[mode]))
+    store = engine.executor.runner.residuals
+    unsealed = []
+    truncate = store.truncate
+
+    def counting(cells, keep):
+        before = store.encoded[cells].sum()
+        truncate(cells, keep)
+        unsealed.append(int(before - store.encoded[cells].sum()))
+
+    store.truncate = counting
+    checked = []
+    got = _run(engine, prompts, max_tokens=SPEC_TOKENS, each_step=lambda e: checked.append(_fresh_encodings(e)))
+    stats = engine.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "rounds must both accept and reject"
+    assert sum(unsealed) > 0, "some rollback must unseal a group that sealed over candidates"
+    assert sum(checked) > 0
+    assert all(len(got[rid][0]) == SPEC_TOKENS for rid in prompts)

@@ -192,9 +192,7 @@ class EngineCore:
         group = cfg.kv_residual_quantization
         if not group.enabled:
             return None, 0
-        if group.policy != "serial":
-            raise ConfigError("kv_residual_quantization.policy 'execution' is not implemented yet; use 'serial'")
-        if speculation is not None:
+        if speculation is not None and group.policy == "serial":
             # Candidates never seal, and the host learns what committed one ticket late: a
             # query at a seal must find its group's rows committed, so the tail must outrun the
             # positions the tickets in flight can hold past the committed ones.
@@ -213,7 +211,8 @@ class EngineCore:
         else:  # the rest of the byte budget, after the BF16 pages' share
             num_records = int(self._kv_budget(device) * (1 - group.tail_share)) // record_bytes
         store = PackedResiduals(mcfg.num_hidden_layers, num_records, seqs, planes, self.max_model_len,
-                                mcfg.num_key_value_heads, mcfg.head_dim, group.tail, self.model.dtype, device)
+                                mcfg.num_key_value_heads, mcfg.head_dim, group.tail, self.model.dtype, device,
+                                group.policy)
         self.kv.records = ResidualRecords(planes, num_records, record_bytes, cfg.token_sparse_prefill)
         groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
         ints = seqs + 4 * planes * groups * seqs + planes * seqs * (1 + planes)

@@ -98,7 +98,9 @@ class KVResidualQuantization:
     token (so the recent BF16 tail holds tail to tail + group_size - 1 tokens); before its
     seal a query reads the exact values. `policy` "serial": what a query reads depends only
     on its position (rounds, pipelines and chunked prefill read what serial decoding reads);
-    "execution": seals at safe points of the actual execution (not implemented yet).
+    "execution": a group seals at a safe point of the actual execution (the first pass whose
+    first query lies `tail` past it), candidates included (a rollback unseals): approximate,
+    what a query reads depends on chunking and batching.
     `tail_share`: with a byte budget, the share kept as BF16 pages (the tails, and a prompt's
     positions until its groups seal: a prompt needs its BF16 pages at admission); the rest
     holds the packed records."""

@@ -30,6 +30,22 @@ group its last row's predecessor lives in is encoded; until then its seal is NEV
 Encoding happens inside a forward call, per layer, after the layer's K/V write and before
 its attention, so a prompt chunk's later queries read groups sealed earlier in the chunk.
 
+Seals (the execution policy). A group is encoded at a safe point of the actual execution:
+at a pass holding queries of its (request, plane), once the pass's first such query lies at
+least `tail` positions past the group's last row (and, as above, it is full and its
+predecessor is encoded; its rows need not be committed). It seals at that first query
+(or its predecessor's seal, if later): every query of the pass and after reads it
+reconstructed. A chunk's queries therefore read the groups its own rows complete exact,
+where serial decoding would read some sealed: what a query reads depends on chunking and
+batching (decoding, one position a pass, reads what the serial policy reads). A group
+holding candidates may seal; a rollback unseals it and every group whose residual was
+encoded against it (`truncate`), so the accepted tokens read exact again until it
+re-encodes. Their BF16 tail pages are still there: a page goes back only once its seals
+lie at or below the committed length, and a seal lies past every row of its group and of
+the groups below it that it was encoded against (each seal is at least its group's last
+row + tail and at least its predecessor's seal), so a group that a rollback can unseal
+never gives its pages back.
+
 Everything here runs on the device without reading a value back: the host names candidate
 groups (a superset of what may become ready; `EncodePlan`), the device decides which are
 ready, and not-ready candidates write into a sink record nobody reads.
@@ -69,8 +85,11 @@ class PackedResiduals:
     """The device state of the packed planes: a pool of group records and per-cell maps."""
 
     def __init__(self, num_layers: int, num_records: int, num_cells: int, num_planes: int, max_len: int,
-                 num_kv_heads: int, head_dim: int, tail: int, dtype: torch.dtype, device: torch.device) -> None:
+                 num_kv_heads: int, head_dim: int, tail: int, dtype: torch.dtype, device: torch.device,
+                 policy: str = "serial") -> None:
         assert head_dim % 2 == 0, "V codes pack two channels a byte"
+        assert policy in ("serial", "execution"), policy
+        self.policy = policy
         n = num_records + 1  # record `num_records` is the sink: not-ready candidates write there
         vg = -(-head_dim // GROUP)
         u8, f16, i32 = torch.uint8, torch.float16, torch.int32
@@ -126,12 +145,32 @@ class PackedResiduals:
 
     def truncate(self, cells: torch.Tensor, keep: torch.Tensor) -> None:
         """Speculation rolled back: rows at positions >= keep [n] leave every plane of `cells`
-        [n] (the next appends reuse their compact indices). Their groups were never encoded:
-        a group seals only once every row in it is committed."""
+        [n] (the next appends reuse their compact indices). A group that loses rows is
+        unsealed, and so is every later group of its plane and every group of the next
+        plane whose residual read it (its reconstruction changes when it re-encodes). Under
+        the serial policy none of them was encoded (only committed rows seal)."""
         beyond = torch.arange(self.max_len, device=cells.device)[None, None, :] >= keep[:, None, None]
         maps = self.row_maps[cells]  # [n, P, L]
-        self.rows[cells] = ((maps >= 0) & ~beyond).sum(-1)
-        self.row_maps[cells] = torch.where(beyond, torch.full_like(maps, -1), maps)
+        rows = ((maps >= 0) & ~beyond).sum(-1)  # [n, P]
+        self.rows[cells] = rows
+        maps = torch.where(beyond, torch.full_like(maps, -1), maps)
+        self.row_maps[cells] = maps
+        tables = self.group_tables[cells].long()  # [n, P, G]
+        g = torch.arange(tables.shape[2], device=cells.device)
+        last = self.row_pos[tables, GROUP - 1].long().clamp(max=self.max_len - 1)  # [n, P, G]
+        old = self.encoded[cells]
+        encoded = torch.minimum(old, rows // GROUP)
+        kept = [encoded[:, 0]]
+        for p in range(1, self.num_planes):
+            # plane p's group g stays encoded iff its last row's plane p - 1 group still is
+            pred = maps[:, p - 1].gather(1, last[:, p])  # [n, G] compact rows at plane p - 1
+            ok = (pred >= 0) & (pred // GROUP < kept[-1][:, None]) & (g[None, :] < encoded[:, p, None])
+            kept.append(ok.long().cumprod(1).sum(1))
+        encoded = torch.stack(kept, 1)
+        self.encoded[cells] = encoded
+        drop = (g >= encoded[..., None]) & (g < old[..., None])  # [n, P, G]: unsealed
+        record = torch.where(drop, tables, torch.full_like(tables, self.sink))
+        self.seal[record.flatten()] = NEVER  # the sink's seal stays NEVER
 
     # --- rows ---------------------------------------------------------------------------
 
@@ -164,21 +203,30 @@ class PackedResiduals:
 
     # --- encoding -----------------------------------------------------------------------
 
-    def plan_encode(self, plan: EncodePlan, committed: torch.Tensor) -> EncodePlan:
-        """Decide which candidates encode in this pass (full, committed, predecessor encoded),
-        set their seals and advance `encoded`; fills plan.ready / records / positions.
+    def plan_encode(self, plan: EncodePlan, committed: torch.Tensor, first: torch.Tensor | None = None
+                    ) -> EncodePlan:
+        """Decide which candidates encode in this pass (full, predecessor encoded and, serial
+        policy, committed; execution policy, `tail` before the pass's first query), set their
+        seals and advance `encoded`; fills plan.ready / records / positions.
         `committed` [cells] long: each cell's committed length (rows at positions >= it are
-        candidates that may still be rejected)."""
+        candidates that may still be rejected). `first` [cells, P] long (execution policy):
+        the pass's first query position per (cell, plane), NEVER where it has none."""
         plan.ready, plan.records, plan.positions = [], [], []
         for p, (cells, groups) in enumerate(zip(plan.cells, plan.groups)):
             groups = groups.long()
             record = self.group_tables[cells, p, groups.clamp(max=self.group_tables.shape[2] - 1)].long()
             last = self.row_pos[record, GROUP - 1].long()
             ready = (groups >= self.encoded[cells, p]) & (self.rows[cells, p] >= GROUP * (groups + 1))
-            ready &= (record != self.sink) & (last < committed[cells])
+            ready &= record != self.sink
+            if self.policy == "serial":
+                ready &= last < committed[cells]
+                seal = last + self.tail
+            else:
+                assert first is not None, "the execution policy seals at the pass's first query"
+                seal = first[cells, p]
+                ready &= (seal < NEVER) & (last + self.tail <= seal)
             if plan.valid is not None:
                 ready &= plan.valid[p]
-            seal = last + self.tail
             if p > 0:
                 pred_row = self.row_maps[cells, p - 1, last.clamp(max=self.max_len - 1)].long()
                 pred_group = pred_row.clamp(min=0) // GROUP

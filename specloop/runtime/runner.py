@@ -33,7 +33,7 @@ from specloop.runtime.attention import AttentionBackend, Bound
 from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ReleaseBatch, ResidualUpdate
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
-from specloop.runtime.kv_residual import EncodePlan, PackedResiduals
+from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.plan import Plan, RowGroup, Sample, Verify
 
@@ -189,7 +189,13 @@ class Runner:
             plan.groups.append(store.encoded[cells, p] + span)
             plan.table_offsets.append(offsets)
             plan.valid.append(offsets >= 0)
-        return store.plan_encode(plan, self._committed)
+        first = None
+        if store.policy == "execution":  # the pass's first query per (cell, plane): its safe point
+            first = torch.full((self._committed.shape[0] * store.num_planes,), NEVER, dtype=torch.long,
+                               device=cells.device)
+            first.scatter_reduce_(0, info.cells * store.num_planes + lp.depths, lp.positions.long(), reduce="amin")
+            first = first.view(-1, store.num_planes)
+        return store.plan_encode(plan, self._committed, first)
 
     def use_graphs(self, graphs: LoopGraphs) -> None:
         """Replay loop passes that fit a bucket through `graphs` (captured here, now)."""
