@@ -90,6 +90,9 @@ def main() -> None:
     p.add_argument("--plot", help="only draw the PNG for this result file")
     p.add_argument("--markdown", help="only print this result file as a markdown table")
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="KV pool per engine")
+    p.add_argument("--kv-residual-quantization", default=None,
+                   help="JSON group for every engine, the one without speculation included (INT4 residuals: "
+                        "acceptance against a target with the same cache representation)")
     args = p.parse_args()
     if args.plot:
         plot(Path(args.plot))
@@ -106,13 +109,14 @@ def main() -> None:
     traces_in = json.loads(Path(args.replay).read_text()) if args.replay else None
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
-    plain = EngineCore(EngineConfig(model=model, device=args.device, dtype=args.dtype, max_num_seqs=4,
-                                    kv_cache_bytes=args.kv_cache_bytes))
+    shared = {"kv_residual_quantization": args.kv_residual_quantization} if args.kv_residual_quantization else {}
+    plain = EngineCore(EngineConfig.from_kwargs(model, device=args.device, dtype=args.dtype, max_num_seqs=4,
+                                                kv_cache_bytes=args.kv_cache_bytes, **shared))
 
     def engine(verifier: ReplayVerifier | None = None, **spec) -> EngineCore:  # same weights, other speculation
-        return EngineCore(EngineConfig(model=model, device=args.device, dtype=args.dtype, max_num_seqs=4,
-                                       kv_cache_bytes=args.kv_cache_bytes, **spec), plain.model, plain.tokenizer,
-                          verifier=verifier)
+        return EngineCore(EngineConfig.from_kwargs(model, device=args.device, dtype=args.dtype, max_num_seqs=4,
+                                                   kv_cache_bytes=args.kv_cache_bytes, **shared, **spec),
+                          plain.model, plain.tokenizer, verifier=verifier)
 
     prompts = (random_prompts(plain.model.config.vocab_size, args.prompts, args.prompt_len) if traces_in
                else heldout_prompts(plain.tokenizer, args.prompts, args.prompt_len))
@@ -162,7 +166,8 @@ def main() -> None:
               "dtype": args.dtype, "replayed": traces_in is not None,
               "prompts": {"count": len(prompts), "length": args.prompt_len,
                           "source": "random token ids" if traces_in else "held-out stdlib modules"},
-              "max_tokens": args.max_tokens, "batch": 1, "cases": cases}
+              "max_tokens": args.max_tokens, "batch": 1,
+              "kv_residual_quantization": plain.stats().kv_residual_quantization, "cases": cases}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.trace_out:

@@ -10,7 +10,7 @@ retention 1,1,1,1 must give exactly dense's numbers):
         --prompts 2 --windows 16,32 --continuation 8 --greedy-tokens 4 --schedule-windows 16 \
         --schedules 1,1,0.5,0.25 1,1,1,1 --out /tmp/fq.json
 The KV residual configurations (tail 64) and dense only, on the GPU (an estimated 4-5
-minutes on an H200: the KV engines run the torch attention backend, about 32K eager ops a step):
+minutes on an H200 when the KV engines ran the torch attention backend; they now take the default one):
     PYTHONPATH=$PWD python bench/flashloop_quality.py --streams out/stdlib_tokens.npz \
         --only-kv --kv-residual --out bench/results/flashloop_quality_kv_h200.json
 CPU smoke run of that part (about 40 s on two cores with OMP_NUM_THREADS=1;
@@ -35,7 +35,10 @@ with the same retention; and each of --schedule-windows (a window or "global") w
 alternative retention schedule of --schedules. --kv-residual adds, per tail T of --kv-tails
 (default 64, the engine's), INT4 cross-loop KV residuals (4 bits, groups of 64, tail T) alone,
 "kv-int4 tT", and with token-sparse prefill at window --kv-window (default 512, the engine's)
-and --retention, "kv-int4 tT + wW". --only-kv (implies --kv-residual) runs dense and those
+and --retention, "kv-int4 tT + wW"; --kv-policies serial,execution adds "kv-int4 tT exec",
+the execution policy (its reference loss models one request alone, prompt passes of
+--max-num-batched-tokens positions; the greedy engines batch a length's prompts, which can
+move a request's pass starts). --only-kv (implies --kv-residual) runs dense and those
 only. With groups of 64, a query at position q reads no quantized K/V before q >= 63 + T
 (the first group's seal), so prompts should be well above that.
 
@@ -60,9 +63,9 @@ Measured per configuration and prompt length:
 - greedy agreement, through the runtime (`EngineCore`, fp32, same device, one engine per
   configuration, all prompts of a length submitted at once; global selection is a window
   of max_model_len tokens, which holds every prompt; eager unless --cuda-graphs; KV residual
-  configurations run `kv_residual_quantization={"tail": T}` on the torch attention backend,
-  on CUDA too, as the engine's Triton reader of packed planes is not wired in yet, so they
-  are eager; the JSON's configs record each one's backend): the
+  configurations run `kv_residual_quantization={"tail": T, "policy": ...}` on the default
+  attention backend (Triton's packed reader on CUDA), eager; the JSON's configs record
+  each one's options): the
   fraction of prompts whose --greedy-tokens greedy tokens equal dense's exactly, and the
   mean length of the common prefix with dense's. Cross-checks of runtime against
   reference in the JSON: the fraction of prompts whose first engine token is the
@@ -115,11 +118,14 @@ class Config:
     window: int | None = None  # None with retention: global selection
     retention: tuple[float, ...] | None = None  # None: dense prefill
     kv_tail: int | None = None  # None: exact K/V; T: INT4 cross-loop KV residuals with tail T
+    kv_policy: str = "serial"
+    kv_chunk: int = 2048  # the execution policy's prompt chunk (the engines' max_num_batched_tokens)
 
     def features(self) -> FlashLoopFeatures:
         sparse = None if self.retention is None else SparsePrefill(window=self.window, retention=self.retention)
         kv = None if self.kv_tail is None else KVResidual(bits=RESIDUAL_BITS, group_size=RESIDUAL_GROUP,
-                                                          tail=self.kv_tail)
+                                                          tail=self.kv_tail, policy=self.kv_policy,
+                                                          chunk=self.kv_chunk)
         return FlashLoopFeatures(token_sparse_prefill=sparse, kv_residual=kv)
 
     def engine_group(self, max_model_len: int) -> dict[str, Any] | None:
@@ -134,9 +140,7 @@ class Config:
         if group is not None:
             out["token_sparse_prefill"] = group
         if self.kv_tail is not None:
-            # The engine reads packed residual planes through the torch backend only so far.
-            out["kv_residual_quantization"] = {"tail": self.kv_tail}
-            out["attention_backend"] = "torch"
+            out["kv_residual_quantization"] = {"tail": self.kv_tail, "policy": self.kv_policy}
         return out
 
     def record(self, max_model_len: int) -> dict[str, Any]:
@@ -176,8 +180,12 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
         for t in args.kv_tails:
             if t < 1:
                 raise SystemExit(f"--kv-tails: a tail must be a positive number of tokens, got {t}")
-            configs.append(Config(f"kv-int4 t{t}", kv_tail=t))
-            configs.append(Config(f"kv-int4 t{t} + w{args.kv_window}", args.kv_window, base, kv_tail=t))
+            for policy in args.kv_policies:
+                tag = "" if policy == "serial" else " exec"
+                chunk = args.max_num_batched_tokens
+                configs.append(Config(f"kv-int4 t{t}{tag}", kv_tail=t, kv_policy=policy, kv_chunk=chunk))
+                if policy == "serial":  # the execution reference models dense prefill chunks only
+                    configs.append(Config(f"kv-int4 t{t} + w{args.kv_window}", args.kv_window, base, kv_tail=t))
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise SystemExit(f"duplicate configurations: {names}")
@@ -375,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tails", type=lambda s: [int(x) for x in s.split(",")], default=[64],
                    help="tails of the KV residual configurations (positions past a group's last row before it is read "
                         "quantized)")
+    p.add_argument("--kv-policies", type=lambda s: s.split(","), default=["serial"],
+                   help="kv_residual_quantization policies (serial, execution); the execution reference seals at "
+                        "one request's pass starts: every --max-num-batched-tokens prompt positions, then every token")
     p.add_argument("--kv-window", type=int, default=DEFAULT_WINDOW,
                    help="window of the KV residual + sparse prefill configurations (with --retention)")
     p.add_argument("--only-kv", action="store_true", help="dense and the KV residual configurations only")
@@ -581,7 +592,7 @@ def print_table(configs: list[Config], lengths: list[int], results: dict[str, di
         comp = float(np.mean([results[c.name][str(n)]["computed_fraction"] for n in lengths]))
         print(line + f"| {comp:5.3f}  {worst:+7.2f}")
     if greedy and any(c.kv_tail is not None for c in configs):
-        print("(greedy of the kv-int4 configurations: the engine's torch attention backend, eager)")
+        print("(greedy of the kv-int4 configurations: eager, the default attention backend)")
 
 
 def print_reconstruction(configs: list[Config], lengths: list[int], results: dict[str, dict[str, Any]]) -> None:

@@ -239,6 +239,14 @@ def test_feature_validation():
         KVResidual(bits=0)
     with pytest.raises(ConfigError):
         KVResidual(group_size=0)
+    with pytest.raises(ConfigError, match="serial or execution"):
+        KVResidual(policy="eager")
+    with pytest.raises(ConfigError):
+        KVResidual(policy="execution", chunk=0)
+    # the execution policy's safe points: prompt chunk starts, then every position
+    kvr = KVResidual(policy="execution", chunk=64)
+    assert [kvr.safe_point(x, 150) for x in (0, 1, 64, 100, 129, 149, 150, 151)] == [0, 64, 64, 128, 150, 150, 150, 151]
+    assert KVResidual().safe_point(100, 150) == 100
     cfg = dataclasses.replace(TINY, total_ut_steps=3)
     with pytest.raises(ConfigError, match="3 loops"):
         flashloop_forward({}, cfg, torch.zeros(4, dtype=torch.long), 4,

@@ -476,3 +476,23 @@ def test_execution_policy_under_speculation_rolls_sealed_candidates_back(mode):
     assert sum(unsealed) > 0, "some rollback must unseal a group that sealed over candidates"
     assert sum(checked) > 0
     assert all(len(got[rid][0]) == SPEC_TOKENS for rid in prompts)
+
+
+@pytest.mark.parametrize("p, chunk", [(0, 64), (2, 64), (2, 2048)])
+def test_execution_policy_equals_its_reference(tiny_ckpt, p, chunk):
+    """One request alone, its prompt in passes of `chunk` positions a plane, then decoding:
+    its tokens and every logprob are the FlashLoop reference's with the execution policy's
+    safe points (the chunk starts, then every position; `KVResidual.safe_point`), which
+    differ from the serial reference's."""
+    engine = _engine(tiny_ckpt, policy="execution", max_num_batched_tokens=chunk)
+    tokens, logprobs = _run(engine, {"r": PROMPTS[p]}, max_tokens=12)["r"]
+    model, _ = load_model(tiny_ckpt, dtype=torch.float64)
+    prompt, w = PROMPTS[p], weights_of(model)
+    steps = {}
+    for policy in ("execution", "serial"):
+        feats = FlashLoopFeatures(kv_residual=KVResidual(tail=TAIL, policy=policy, chunk=chunk))
+        logits = flashloop_forward(w, model.config, torch.tensor(prompt + tokens), len(prompt), feats, None).logits
+        steps[policy] = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)].double(), -1)
+    assert steps["execution"].argmax(-1).tolist() == tokens
+    assert logprobs == pytest.approx(steps["execution"][torch.arange(len(tokens)), tokens].tolist(), abs=1e-9)
+    assert not torch.allclose(steps["execution"], steps["serial"], atol=1e-6), "the policies read differently"

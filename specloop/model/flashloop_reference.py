@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 
 import torch
@@ -117,13 +117,29 @@ class SparseDecode:
 @dataclasses.dataclass(frozen=True)
 class KVResidual:
     """Affine `bits`-bit groups of `group_size`; `tail`: how far past a group's last row a
-    query must be before it reads the group reconstructed."""
+    query must be before it reads the group reconstructed. `policy` "serial": a group seals
+    at that position (or its predecessor's seal); "execution": at the next safe point on
+    or after it, the safe points being a one-request run's pass starts: the prompt's chunk
+    starts 0, `chunk`, 2 `chunk`, ... (every plane takes its prompt `chunk` positions a pass)
+    and every later position (decoding, one a pass)."""
 
     bits: int = 4
     group_size: int = 64
     tail: int = 64
+    policy: str = "serial"
+    chunk: int = 2048  # the execution policy's prompt chunk
+
+    def safe_point(self, position: int, prompt_len: int) -> int:
+        """The first position >= `position` where a group can seal (NEVER stays NEVER)."""
+        if self.policy == "serial" or position >= prompt_len or position >= NEVER:
+            return position
+        return min(-(-position // self.chunk) * self.chunk, prompt_len)
 
     def __post_init__(self) -> None:
+        if self.policy not in ("serial", "execution"):
+            raise ConfigError(f"KV residual policy must be serial or execution, got {self.policy!r}")
+        if self.chunk < 1:
+            raise ConfigError(f"KV residual chunk must be positive, got {self.chunk}")
         if not 1 <= self.bits <= 8:
             raise ConfigError(f"KV residual bits must lie in 1..8, got {self.bits}")
         if self.group_size < 1:
@@ -339,11 +355,12 @@ def residual_encode(prev_hat: torch.Tensor, x: torch.Tensor, has_row: torch.Tens
 
 
 def seal_positions(prev_seal: torch.Tensor | None, has_row: torch.Tensor, group_size: int,
-                   tail: int) -> torch.Tensor:
+                   tail: int, safe_point: Callable[[int], int] | None = None) -> torch.Tensor:
     """Seal position per token [T] of its storage after this plane (long; NEVER for short
     groups). prev_seal None = plane 1 (every token has a row). A full group of compact rows
-    seals at max(position of its last row + tail, its rows' previous seal positions);
-    tokens without a row keep their previous seal."""
+    seals at max(position of its last row + tail, its rows' previous seal positions),
+    moved on to `safe_point` of that (the execution policy; None: serial); tokens without
+    a row keep their previous seal."""
     rows = has_row.nonzero().flatten()
     seal = torch.full_like(has_row, NEVER, dtype=torch.long) if prev_seal is None else prev_seal.clone()
     for s in range(0, rows.numel(), group_size):
@@ -351,7 +368,7 @@ def seal_positions(prev_seal: torch.Tensor | None, has_row: torch.Tensor, group_
         at = NEVER if group.numel() < group_size else int(group[-1]) + tail
         if prev_seal is not None:
             at = max(at, int(prev_seal[group].max()))
-        seal[group] = at
+        seal[group] = at if safe_point is None else safe_point(at)
     return seal
 
 
@@ -559,7 +576,8 @@ def flashloop_forward(
         run = ~exited
         run[:prompt_len] &= _prompt_selection(loop, sp, prompt_len, loop_hidden, active, exited, audit)
         if kvr is not None:
-            seal = seal_positions(seal, run, kvr.group_size, kvr.tail)
+            safe = None if kvr.policy == "serial" else (lambda x: kvr.safe_point(x, prompt_len))
+            seal = seal_positions(seal, run, kvr.group_size, kvr.tail, safe)
             seals.append(seal)
         ps = _Pass(loop, run.nonzero().flatten(), run, prompt_len, seal, audit)
         x = h[ps.rows]
