@@ -195,6 +195,7 @@ class ResidualPass:
     pass_cells: torch.Tensor  # [C] long
     plane_tables: torch.Tensor  # [C, P] long
     candidates: int
+    depths: tuple[int, ...] = ()  # planes the pass has rows at (host: which planes may encode at all)
 
 
 @dataclasses.dataclass
@@ -409,7 +410,8 @@ class ForwardBatchBuilder:
             # groups that may turn ready: those the pass's rows fill, plus those waiting on the
             # plane before (at most one per plane: docs/flashloop.md)
             most = max(rows.values(), default=0)
-            sizes.append((len(cells), most // 64 + self.num_loops + 2))
+            depths = sorted({g.depth + p for g in ordered if g.loops > p})
+            sizes.append((len(cells), most // 64 + self.num_loops + 2, tuple(depths)))
         bs = self.page_size
         span = max((scan.frontier - r * bs for scan in plan.releases for r in scan.released), default=0)
         span = max(0, min(RELEASE_SPAN, -(-span // bs) * bs))
@@ -426,12 +428,12 @@ class ForwardBatchBuilder:
         truncate = ints[at: at + 2 * num_truncate].view(num_truncate, 2)
         at += 2 * num_truncate
         batch.residual_update = ResidualUpdate(resets, assign, truncate)
-        for lp, (c, candidates) in zip(batch.passes, passes):
+        for lp, (c, candidates, depths) in zip(batch.passes, passes):
             pass_cells = ints[at: at + c]
             at += c
             plane_tables = ints[at: at + c * self.num_loops].view(c, self.num_loops)
             at += c * self.num_loops
-            lp.residual = ResidualPass(batch.cells[: lp.num_rows], pass_cells, plane_tables, candidates)
+            lp.residual = ResidualPass(batch.cells[: lp.num_rows], pass_cells, plane_tables, candidates, depths)
         if num_scans:
             scans = ints[at: at + num_scans * (3 + self.num_loops)].view(num_scans, 3 + self.num_loops)
             batch.release = ReleaseBatch(scans[:, 0], scans[:, 1], scans[:, 2], scans[:, 3:], span)

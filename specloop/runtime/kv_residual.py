@@ -213,6 +213,11 @@ class PackedResiduals:
         the pass's first query position per (cell, plane), NEVER where it has none."""
         plan.ready, plan.records, plan.positions = [], [], []
         for p, (cells, groups) in enumerate(zip(plan.cells, plan.groups)):
+            if cells.numel() == 0:  # a plane without candidates (a host-known size: no sync)
+                plan.ready.append(cells.bool())
+                plan.records.append(cells.long())
+                plan.positions.append(cells.long().view(0, GROUP))
+                continue
             groups = groups.long()
             record = self.group_tables[cells, p, groups.clamp(max=self.group_tables.shape[2] - 1)].long()
             last = self.row_pos[record, GROUP - 1].long()

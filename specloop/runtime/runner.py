@@ -182,8 +182,21 @@ class Runner:
         k = info.candidates
         cells = info.pass_cells.repeat_interleave(k)
         span = torch.arange(k, device=cells.device).repeat(info.pass_cells.numel())
+        # Planes that cannot change are left out (no launches): below the pass's shallowest
+        # row nothing was appended and no predecessor moved; under the execution policy a
+        # group seals only in a pass with queries at its plane.
+        if store.policy == "execution":
+            planes = set(info.depths)
+        else:
+            planes = set(range(min(info.depths, default=store.num_planes), store.num_planes))
         plan = EncodePlan([], [], [], [])
+        none = cells[:0]
         for p in range(store.num_planes):
+            if p not in planes:
+                for field in (plan.cells, plan.groups, plan.table_offsets):
+                    field.append(none)
+                plan.valid.append(none.bool())
+                continue
             offsets = info.plane_tables[:, p].repeat_interleave(k)
             plan.cells.append(cells)
             plan.groups.append(store.encoded[cells, p] + span)
