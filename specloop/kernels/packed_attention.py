@@ -97,12 +97,13 @@ import triton
 import triton.language as tl
 
 from specloop.kernels import DTYPES
-from specloop.kernels.int4_groups import GROUP, PAIRS, KGroups, VGroups, unpack_codes
+from specloop.kernels import packed_rows
+from specloop.kernels.int4_groups import GROUP, PAIRS, KGroups, VGroups
+from specloop.kernels.packed_rows import NEVER
 from specloop.kernels.paged_attention import TILE_COLUMNS
 from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-NEVER = 2**31 - 1  # record_seal of a record no query reads reconstructed
 MAX_PLANES = 4
 REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch references also take fp64 (exact CPU tests)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -555,51 +556,23 @@ def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.T
 def key_seals(packed: PackedKV, cell: int, depth: int, positions: torch.Tensor) -> torch.Tensor:
     """Seal [L] (int64) of keys `positions` at depth `depth` of `cell`: the seal of the record
     holding each key's deepest row at a plane <= depth; NEVER without one."""
-    seal = torch.full(positions.shape, NEVER, dtype=torch.long, device=positions.device)
-    for p in range(depth + 1):
-        r = packed.row_maps[cell, p, positions].long()
-        has = r >= 0
-        rec = packed.group_tables[cell, p, r.clamp(min=0) // GROUP].long()
-        s = torch.where(rec >= 0, packed.seal[rec.clamp(min=0)].long(), NEVER)
-        seal = torch.where(has, s, seal)
-    return seal
-
-
-def _decode_rows(packed: PackedKV, rec: torch.Tensor, row: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codec's decode of in-group rows `row` of records `rec` ([L] each): K, V [L, Hkv, D]."""
-    nibble = (4 * (row % 2)).to(torch.uint8)[:, None, None]
-    k_code = (packed.k.codes[rec, row // 2] >> nibble) & 0xF  # [L, Hkv, D]
-    k = (packed.k.lo[rec].float() + packed.k.scale[rec].float() * k_code.float()).to(dtype)
-    v_rows = rec * GROUP + row
-    v_code = unpack_codes(packed.v.codes[v_rows], 2)  # [L, Hkv, D]
-    channel_group = torch.arange(v_code.shape[2], device=v_code.device) // GROUP
-    scale, lo = packed.v.scale[v_rows][..., channel_group], packed.v.lo[v_rows][..., channel_group]
-    v = (lo.float() + scale.float() * v_code.float()).to(dtype)
-    return k, v
+    cells = torch.tensor([cell], device=positions.device)
+    return packed_rows.seals(packed.seal, packed.group_tables, packed.row_maps, cells, depth, positions[None])[0]
 
 
 def reconstruct_keys(packed: PackedKV, cell: int, depth: int, positions: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [L, Hkv, D] in `dtype` of keys `positions` of `cell` reconstructed at depth
-    `depth`: plane 0's decode, plus the decoded residual of every plane 1..depth where the
-    key has a row, added in dtype (DT(fp32(x) + fp32(residual)); fp64 adds in fp64). Every
-    key must have a plane-0 row, and every row a record."""
-    compute = torch.promote_types(dtype, torch.float32)
-    k = v = None
+    `depth` (`packed_rows.reconstruct`). Every key must have a plane-0 row, and every row a
+    record."""
+    cells = torch.tensor([cell], device=positions.device)
     for p in range(depth + 1):
-        r = packed.row_maps[cell, p, positions].long()
-        has = r >= 0
-        rec = packed.group_tables[cell, p, r.clamp(min=0) // GROUP].long()
-        assert bool((rec[has] >= 0).all()), f"a row of plane {p} whose group has no record"
-        if p == 0:
-            assert bool(has.all()), "a key read reconstructed without a plane-0 row"
-            k, v = _decode_rows(packed, rec, r % GROUP, dtype)
-            continue
-        dk, dv = _decode_rows(packed, rec[has], r[has] % GROUP, dtype)
-        k[has] = (k[has].to(compute) + dk.to(compute)).to(dtype)
-        v[has] = (v[has].to(compute) + dv.to(compute)).to(dtype)
-    return k, v
+        row, record = packed_rows.rows_records(packed.group_tables, packed.row_maps, cells, p, positions[None])
+        assert bool(((row < 0) | (record >= 0)).all()), f"a row of plane {p} whose group has no record"
+        assert p > 0 or bool((row >= 0).all()), "a key read reconstructed without a plane-0 row"
+    k, v = packed_rows.reconstruct(packed.k, packed.v, packed.group_tables, packed.row_maps, cells, depth,
+                                   positions[None], dtype)
+    return k[0], v[0]
 
 
 def row_keys(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, packed: PackedKV,

@@ -72,13 +72,14 @@ import triton
 import triton.language as tl
 
 from specloop.kernels import DTYPES
+from specloop.kernels import packed_rows
 from specloop.kernels.int4_groups import (
     GROUP,
     PAIRS,
+    KGroups,
     VGroups,
     _code,
     _stats,
-    dequantize_v_groups_reference,
     quantize_k_groups_reference,
     quantize_v_groups_reference,
 )
@@ -281,17 +282,6 @@ def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
 
 # --- torch reference ------------------------------------------------------------------
 
-def _decode(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, record: torch.Tensor, row: torch.Tensor,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [M, 64, Hkv, D] in dtype of in-group rows `row` of records `record` [M, 64]."""
-    nibble = (4 * (row % 2)).to(torch.uint8)[..., None, None]
-    code = (k_codes[record, row // 2] >> nibble) & 0xF
-    k = (k_lo[record].float() + k_scale[record].float() * code.float()).to(dtype)
-    n = (record * GROUP + row).flatten()
-    v = dequantize_v_groups_reference(VGroups(v_codes[n], v_scale[n], v_lo[n]), dtype)
-    return k, v.view(k.shape)
-
-
 def encode_groups_reference(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
                             plane: int, cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor,
                             ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
@@ -310,21 +300,10 @@ def encode_groups_reference(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: 
     pages = tables[table_offsets.long().clamp(min=0)[:, None] + positions // page_size].long()
     slots = pages * page_size + positions % page_size  # [M, 64]
     k, v = k_tail[slots], v_tail[slots]  # [M, 64, Hkv, D]
-    if plane > 0:
-        cell = cells.long()[:, None].expand_as(positions)
-        pools = (k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)
-        k_hat = v_hat = None
-        for p in range(plane):
-            row = row_maps[cell, p, positions].long()
-            has = row >= 0
-            record = group_tables[cell, p, row.clamp(min=0) // GROUP].long()
-            record = torch.where(has, record, torch.full_like(record, sink))
-            dk, dv = _decode(*pools, record, row.clamp(min=0) % GROUP, dtype)
-            if p == 0:
-                k_hat, v_hat = dk, dv
-            else:
-                has = has[..., None, None]
-                k_hat, v_hat = torch.where(has, k_hat + dk, k_hat), torch.where(has, v_hat + dv, v_hat)
+    if plane > 0:  # minus the reconstruction at plane - 1 (the sink's where a row has no record)
+        k_hat, v_hat = packed_rows.reconstruct(KGroups(k_codes, k_scale, k_lo), VGroups(v_codes, v_scale, v_lo),
+                                               group_tables, row_maps, cells.long(), plane - 1, positions, dtype,
+                                               absent=sink)
         k, v = k - k_hat, v - v_hat
     valid = torch.full((m,), GROUP, dtype=torch.int32, device=k.device)
     kg = quantize_k_groups_reference(k.contiguous(), valid)

@@ -57,12 +57,12 @@ import dataclasses
 
 import torch
 
-from specloop.kernels import int4_groups
+from specloop.kernels import packed_rows
 from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_attention import PackedKV
+from specloop.kernels.packed_rows import NEVER  # seal of a group no query reads reconstructed (not encoded yet)
 from specloop.kernels.residual_encode import encode_groups
 
-NEVER = 2**31 - 1  # seal of a group no query reads reconstructed (not encoded yet)
 
 
 @dataclasses.dataclass
@@ -265,64 +265,16 @@ class PackedResiduals:
 
     # --- reads --------------------------------------------------------------------------
 
-    def _rows(self, cells: torch.Tensor, plane: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(compact row [..] long, -1 where none; record [..] long, the sink where none)."""
-        cell = cells.view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
-        row = self.row_maps[cell, plane, positions].long()
-        record = self.group_tables[cell, plane, row.clamp(min=0) // GROUP].long()
-        return row, torch.where(row >= 0, record, torch.full_like(record, self.sink))
-
-    def _decode_rows(self, layer: int, record: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [.., Hkv, D] of rows (record, in-group row) in the model dtype."""
-        i = row.clamp(min=0) % GROUP
-        byte = self.k_codes[layer, record, i // 2]  # [.., Hkv, D]
-        code = torch.where((i % 2 == 1)[..., None, None], byte >> 4, byte & 0xF)
-        k = (self.k_lo[layer, record].float() + self.k_scale[layer, record].float() * code.float()).to(self.dtype)
-        n = record * GROUP + i
-        vg = VGroups(self.v_codes[layer, n], self.v_scale[layer, n], self.v_lo[layer, n])
-        v = int4_groups.dequantize_v_groups_reference(_flat(vg), self.dtype).view(*n.shape, *k.shape[-2:])
-        return k, v
-
     def reconstruct(self, layer: int, cells: torch.Tensor, depth: int | torch.Tensor, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [M, ..., Hkv, D] of the tokens at `positions` [M, ...] of `cells` [M], as
         reconstructed at plane `depth` (an int, or [M] per cell): the base plus every
-        residual row they have up to that plane."""
-        row, record = self._rows(cells, 0, positions)
-        k, v = self._decode_rows(layer, record, row)
-        for p in range(1, self._deepest(depth) + 1):
-            row, record = self._rows(cells, p, positions)
-            dk, dv = self._decode_rows(layer, record, row)
-            has = ((row >= 0) & _upto(depth, p, positions))[..., None, None]
-            k = torch.where(has, k + dk, k)
-            v = torch.where(has, v + dv, v)
-        return k, v
-
-    def _deepest(self, depth: int | torch.Tensor) -> int:
-        """The deepest plane to visit (a tensor of depths: every plane; masks pick per row)."""
-        return depth if isinstance(depth, int) else self.num_planes - 1
+        residual row they have up to that plane (`packed_rows.reconstruct`)."""
+        view = self.layer_view(layer)
+        return packed_rows.reconstruct(view.k, view.v, self.group_tables, self.row_maps, cells, depth, positions,
+                                       self.dtype, absent=self.sink)
 
     def seals(self, cells: torch.Tensor, depth: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[M, ...] long: from which query position each token's K/V at plane `depth` (int or
         [M]) reads reconstructed (the seal of the group of its deepest row at a plane <= depth)."""
-        _, record = self._rows(cells, 0, positions)
-        seal = self.seal[record].long()
-        for p in range(1, self._deepest(depth) + 1):
-            row, record = self._rows(cells, p, positions)
-            seal = torch.where((row >= 0) & _upto(depth, p, positions), self.seal[record].long(), seal)
-        return seal
-
-
-def _upto(depth: int | torch.Tensor, plane: int, positions: torch.Tensor) -> torch.Tensor | bool:
-    """Whether `plane` is within each row's depth (broadcast over the positions' trailing dims)."""
-    if isinstance(depth, int):
-        return True
-    return (depth >= plane).view(-1, *([1] * (positions.dim() - 1)))
-
-
-def _flat(groups: VGroups) -> VGroups:
-    """V groups of any leading shape as [N, Hkv, ...]."""
-    lead = groups.codes.shape[:-2]
-    return VGroups(*(t.reshape(-1, *t.shape[len(lead):]) for t in (groups.codes, groups.scale, groups.lo)))
-
-
+        return packed_rows.seals(self.seal, self.group_tables, self.row_maps, cells, depth, positions)
