@@ -107,6 +107,26 @@ def test_staggered_arrivals_mix_prefill_and_decode(tiny_ckpt, refs):
     _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
 
 
+def _records_on_device(engine: EngineCore) -> None:
+    """Every group a running request's device rows reach has a record, and it is the host's:
+    records reach the device for every plane, however the planes grow."""
+    store = engine.executor.runner.residuals
+    for req in engine.scheduler.running:
+        tables = engine.kv.records.tables(req.kv_key)
+        for p, rows in enumerate(store.rows[req.cell].tolist()):
+            groups = -(-rows // RECORD_ROWS)
+            assert groups <= len(tables[p]), (req.request_id, p, rows, len(tables[p]))
+            device = store.group_tables[req.cell, p, :groups].tolist()
+            assert device == tables[p][:groups], (req.request_id, p, device, tables[p][:groups])
+
+
+def test_sparse_planes_get_records_where_dense_ones_need_none(tiny_ckpt):
+    """Decoding past a prompt of 60 at window 16, 1/1/0.5/0.25: plane 2 needs its second
+    record at coverage 96, where plane 0 needs none; the device must still get it."""
+    engine = _engine(tiny_ckpt, sparse=True, max_num_batched_tokens=64)
+    _run(engine, {"a": PROMPTS[0][:60]}, max_tokens=40, each_step=_records_on_device)
+
+
 @pytest.mark.parametrize("batched_tokens", [2048, 24])
 def test_with_token_sparse_prefill(tiny_ckpt, refs, batched_tokens):
     """Residual rows only for the tokens a window kept: compact rows, absent = inherited."""
@@ -116,12 +136,9 @@ def test_with_token_sparse_prefill(tiny_ckpt, refs, batched_tokens):
     def rows_fit(engine: EngineCore) -> None:
         """The host sizes a sparse plane's records by its windows' budgets: every row the
         device wrote has a record, and the sparse planes take fewer than the dense ones."""
-        store = engine.executor.runner.residuals
+        _records_on_device(engine)
         for req in engine.scheduler.running:
-            tables = engine.kv.records.tables(req.kv_key)
-            rows = store.rows[req.cell].tolist()
-            assert all(r <= RECORD_ROWS * len(t) for r, t in zip(rows, tables)), (rows, [len(t) for t in tables])
-            held.append([len(t) for t in tables])
+            held.append([len(t) for t in engine.kv.records.tables(req.kv_key)])
 
     got = _run(engine, {f"r{p}": PROMPTS[p] for p in range(len(PROMPTS))}, each_step=rows_fit)
     _check(tiny_ckpt, refs, got, range(len(PROMPTS)), sparse=True)
@@ -497,3 +514,63 @@ def test_execution_policy_equals_its_reference(tiny_ckpt, p, chunk):
     assert steps["execution"].argmax(-1).tolist() == tokens
     assert logprobs == pytest.approx(steps["execution"][torch.arange(len(tokens)), tokens].tolist(), abs=1e-9)
     assert not torch.allclose(steps["execution"], steps["serial"], atol=1e-6), "the policies read differently"
+
+
+@pytest.mark.parametrize("policy", ["serial", "execution"])
+def test_snapshots_right_after_rollbacks(policy, monkeypatch):
+    """Block rounds with token-sparse prefill on the shipped model: after every step the
+    request is snapshotted (each rollback's truncate still pending on the device: the
+    snapshot applies it first, so no rejected row or group sealed over one is captured)
+    and restored into a fresh engine; the restored planes equal the live ones' (rows, maps,
+    encoded groups' bytes and seals), and the live run goes on to the end."""
+    from specloop.assets import default_model_path
+    from specloop.engine.snapshot import RequestSnapshot, SnapshotError
+    ckpt = default_model_path()
+
+    def make() -> EngineCore:
+        return EngineCore(EngineConfig.from_kwargs(
+            str(ckpt), device="cpu", dtype="float64", num_kv_pages=512, block_size=8, attention_backend="torch",
+            max_num_batched_tokens=64, token_sparse_prefill={"window": 16, "retention": [1.0, 1.0, 0.5, 0.25]},
+            kv_residual_quantization={"tail": 2 if policy == "execution" else SPEC_TAIL, "policy": policy},
+            **SPEC_MODES["block-d1"]))
+
+    from specloop.engine import snapshot as snapshot_module
+    flush, pending = snapshot_module._flush_records, []
+
+    def counting(store, records, key, cell):  # did the capture meet a truncate the device lacks?
+        pending.append(records._requests[key].truncate is not None)
+        flush(store, records, key, cell)
+
+    monkeypatch.setattr(snapshot_module, "_flush_records", counting)
+    engine = make()
+    gen = torch.Generator().manual_seed(3)
+    engine.add_request("a", torch.randint(3, 4000, (60,), generator=gen).tolist(),
+                       SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    restored = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+        if not engine.scheduler.running:
+            continue
+        req = engine.scheduler.running[0]
+        try:  # quiescing commits every ticket: a rollback truncates the host, not yet the device
+            snap = RequestSnapshot.from_bytes(engine.snapshot("a").to_bytes())
+        except SnapshotError:
+            break  # it finished as its tickets completed
+        fresh = make()
+        fresh.restore(snap)
+        restored += 1
+        live, copy = engine.executor.runner.residuals, fresh.executor.runner.residuals
+        other = fresh.scheduler.running[0]
+        covered = engine.kv.coverage(req.kv_key)
+        assert torch.equal(live.rows[req.cell], copy.rows[other.cell])
+        assert torch.equal(live.encoded[req.cell], copy.encoded[other.cell])
+        assert torch.equal(live.row_maps[req.cell, :, :covered], copy.row_maps[other.cell, :, :covered])
+        assert torch.equal(live.rows[req.cell], (live.row_maps[req.cell] >= 0).sum(-1))
+        for p in range(live.num_planes):
+            for g in range(int(live.encoded[req.cell, p])):
+                a, b = int(live.group_tables[req.cell, p, g]), int(copy.group_tables[other.cell, p, g])
+                assert live.seal[a] == copy.seal[b]
+                assert torch.equal(live.k_codes[:, a], copy.k_codes[:, b]) and torch.equal(live.row_pos[a], copy.row_pos[b])
+    assert any(pending) and restored > 0, "a snapshot must meet a pending rollback"
+    assert engine.stats().num_draft_tokens > engine.stats().num_accepted_tokens

@@ -75,11 +75,12 @@ def test_sparse_planes_take_records_for_their_budgets():
     fresh, first, tables, truncate = records.pending("r")
     assert not fresh and first == [130, 130, 34, 15] and [len(t) for t in tables] == [2, 2, 2, 2]
     # a rollback to a position in the prompt keeps what its rows below need, per plane
-    freed = records.truncate("r", 1000)
+    free = records.num_free
+    records.truncate("r", 1000)
     assert [len(t) for t in records.tables("r")] == [16, 16, 4, 2]  # 1000 rows; 512 + 128 kept; 52 + 52
-    assert len(freed) == (132 + 132 + 36 + 17) - (16 + 16 + 4 + 2)
     fresh, first, tables, truncate = records.pending("r")
     assert not fresh and first == [16, 16, 4, 2] and all(not t for t in tables) and truncate == 1000
+    assert records.num_free - free == (132 + 132 + 36 + 17) - (16 + 16 + 4 + 2)
     records.free("r")
     assert records.num_free == records.num_records
 
@@ -94,3 +95,42 @@ def test_growth_is_all_or_nothing():
     assert records.num_free == 6 and [len(t) for t in records.tables("a")] == [1] * PLANES
     with pytest.raises(ValueError):
         records.add("a", 0)
+
+
+def test_a_rollback_keeps_records_for_the_pages_kept_and_frees_the_rest_once_sent():
+    """Truncating to 94 with pages kept up to 96: plane 2 (window 16, 1/1/0.5/0.25, prompt
+    60) holds 64 rows at 94 but 66 at 96, so it keeps its second record. The records dropped
+    stay taken until the update that truncates the device is sent (its tables still name
+    them until then)."""
+    windows = TokenSparsePrefill(enabled=True, window=16, retention=(1.0, 1.0, 0.5, 0.25))
+    records = ResidualRecords(PLANES, 100, 1, windows)
+    records.add("r", 60)
+    records.ensure("r", 200)
+    records.pending("r")
+    assert [len(t) for t in records.tables("r")] == [4, 4, 3, 3]
+    free = records.num_free
+    records.truncate("r", 94, 96)
+    assert [len(t) for t in records.tables("r")] == [2, 2, 2, 1]
+    assert records.num_free == free and records.held("r") == 14
+    fresh, first, tables, truncate = records.pending("r")
+    assert truncate == 94 and first == [2, 2, 2, 1] and not any(tables)
+    assert records.num_free == free + 7 and records.held("r") == 7
+    records.truncate("r", 50)  # dropped records a free() returns too
+    records.free("r")
+    assert records.num_free == records.num_records
+
+
+def test_kv_manager_rollback_keeps_records_for_its_pages():
+    """KVManager.truncate keeps pages up to the next page boundary, and records for them:
+    regrowing within those pages adds no page, so it could add no record."""
+    from specloop.scheduling.kv_manager import KVManager
+    windows = TokenSparsePrefill(enabled=True, window=16, retention=(1.0, 1.0, 0.5, 0.25))
+    kv = KVManager(PLANES, 8, 400, 1)
+    kv.records = ResidualRecords(PLANES, 100, 1, windows)
+    kv.add_request("r", prompt_len=60)
+    kv.ensure("r", 200)
+    kv.truncate("r", 94)
+    assert kv.coverage("r") == 96
+    assert [len(t) for t in kv.records.tables("r")] == [2, 2, 2, 1]  # plane 2: 66 rows may fill [0, 96)
+    kv.ensure("r", 96)
+    assert [len(t) for t in kv.records.tables("r")] == [2, 2, 2, 1]

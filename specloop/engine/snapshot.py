@@ -49,6 +49,8 @@ from specloop.scheduling.residual_records import GROUP as RECORD_ROWS
 
 if TYPE_CHECKING:
     from specloop.engine.core import EngineCore
+    from specloop.runtime.kv_residual import PackedResiduals
+    from specloop.scheduling.residual_records import ResidualRecords
 
 FORMAT = "specloop.request-snapshot"
 VERSION = 4  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
@@ -206,6 +208,7 @@ def _capture_residual(core: "EngineCore", req: Request) -> dict[str, Any]:
     its pages cover, and its records' contents in (plane, group) order."""
     store, kvm = core.executor.runner.residuals, core.kv
     key, cell = req.kv_key, req.cell
+    _flush_records(store, kvm.records, key, cell)
     tables = kvm.records.tables(key)
     ids = torch.tensor([r for t in tables for r in t], dtype=torch.long, device=store.seal.device)
     rows = _record_rows(ids)
@@ -217,6 +220,22 @@ def _capture_residual(core: "EngineCore", req: Request) -> dict[str, Any]:
             "rows": store.rows[cell].cpu(), "encoded": store.encoded[cell].cpu(),
             "released": [kvm.released(key, p) for p in range(kvm.num_planes)]}
     return out
+
+
+def _flush_records(store: "PackedResiduals", records: "ResidualRecords", key: str, cell: int) -> None:
+    """Apply to the device now what the request's next plan would bring its planes (a reset,
+    a rollback's truncate, new records), as the runner does: a snapshot reads the device."""
+    fresh, first, tables, truncate = records.pending(key)
+    device = store.seal.device
+    cells = torch.tensor([cell], device=device)
+    if fresh:
+        store.reset(cells)
+    if truncate is not None:
+        store.truncate(cells, torch.tensor([truncate], device=device))
+    for plane, ids in enumerate(tables):
+        if ids:
+            store.assign(cell, plane, torch.arange(first[plane], first[plane] + len(ids), device=device),
+                         torch.tensor(ids, device=device))
 
 
 def _capture_slots(core: "EngineCore", req: Request) -> dict[str, Any]:

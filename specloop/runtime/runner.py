@@ -183,8 +183,9 @@ class Runner:
         cells = info.pass_cells.repeat_interleave(k)
         span = torch.arange(k, device=cells.device).repeat(info.pass_cells.numel())
         # Planes that cannot change are left out (no launches): below the pass's shallowest
-        # row nothing was appended and no predecessor moved; under the execution policy a
-        # group seals only in a pass with queries at its plane.
+        # row nothing was appended and no predecessor moved (a committed length advances only
+        # for a speculating request, whose every plan has a depth-0 row); under the execution
+        # policy a group seals only in a pass with queries at its plane.
         if store.policy == "execution":
             planes = set(info.depths)
         else:

@@ -294,8 +294,8 @@ class KVManager:
         for table in req.tables:
             del table[keep:]
         self._outstanding += req.outstanding_pages - before
-        if self.records is not None:
-            self.records.truncate(rid, frontier)  # the exact position: rows past it leave the device planes
+        if self.records is not None:  # the exact position: rows past it leave the device planes; records
+            self.records.truncate(rid, frontier, keep * self.block_size)  # stay for the pages kept
         return self.allocator.decref(dropped)
 
     def free(self, rid: str) -> list[int]:

@@ -31,6 +31,7 @@ class _Tables:
     sent: list[int]  # [plane] -> groups the device has
     fresh: bool = True  # the device state of the request's cell must be reset first
     truncate: int | None = None  # a rollback the device has not applied: drop rows at positions >= it
+    dropped: list[int] = dataclasses.field(default_factory=list)  # freed once the device drops them
 
 
 class ResidualRecords:
@@ -103,31 +104,38 @@ class ResidualRecords:
             table.extend(ids[:n])
             del ids[:n]
 
-    def truncate(self, rid: str, frontier: int) -> list[int]:
-        """Keep the groups that may hold rows of positions [0, frontier); free the rest."""
+    def truncate(self, rid: str, frontier: int, cover: int | None = None) -> None:
+        """Roll back to `frontier`: the device drops rows at positions >= it (with the next
+        update); records stay for the rows positions [0, cover) may hold (`cover`: the pages
+        the request keeps, at least frontier; default frontier), so growth within those pages
+        needs none. The others are freed once the update that drops them is sent: until the
+        device applies it, its tables still name them (and its unsealing touches them)."""
         tables = self._requests.get(rid)
         if tables is None:
-            return []
-        keep = self._groups(tables.prompt_len, frontier)
-        dropped = [r for table, k in zip(tables.records, keep) for r in table[k:]]
+            return
+        keep = self._groups(tables.prompt_len, max(frontier, cover or 0))
+        tables.dropped += [r for table, k in zip(tables.records, keep) for r in table[k:]]
         for table, k in zip(tables.records, keep):
             del table[k:]
         tables.sent = [min(s, k) for s, k in zip(tables.sent, keep)]
         tables.truncate = frontier if tables.truncate is None else min(tables.truncate, frontier)
-        return self.allocator.decref(dropped)
 
     def free(self, rid: str) -> list[int]:
         tables = self._requests.pop(rid, None)
         if tables is None:
             return []
-        return self.allocator.decref([r for table in tables.records for r in table])
+        return self.allocator.decref([r for table in tables.records for r in table] + tables.dropped)
 
     def pending(self, rid: str) -> tuple[bool, list[int], list[list[int]], int | None]:
         """(fresh, [plane] -> first group, [plane] -> record ids from it, truncate) the device
-        has not seen; marks them sent (the plan that carries them runs before any later one)."""
+        has not seen; marks them sent (the plan that carries them runs before any later one)
+        and frees the records a truncate dropped (the device drops them before any later
+        plan's assignments)."""
         tables = self._requests[rid]
         fresh, first, truncate = tables.fresh, tables.sent, tables.truncate
         tables.fresh, tables.sent, tables.truncate = False, [len(t) for t in tables.records], None
+        self.allocator.decref(tables.dropped)
+        tables.dropped = []
         return fresh, first, [t[f:] for t, f in zip(tables.records, first)], None if fresh else truncate
 
     def tables(self, rid: str) -> list[list[int]]:
@@ -141,7 +149,9 @@ class ResidualRecords:
         tables.fresh, tables.sent, tables.truncate = False, [len(t) for t in tables.records], None
 
     def held(self, rid: str) -> int:
-        return sum(len(t) for t in self._requests[rid].records) if rid in self._requests else 0
+        """Records the request holds, those a truncate dropped and the device still names included."""
+        tables = self._requests.get(rid)
+        return sum(len(t) for t in tables.records) + len(tables.dropped) if tables is not None else 0
 
     def bytes_used(self, rid: str) -> int:
         return self.held(rid) * self.record_bytes

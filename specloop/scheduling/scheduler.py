@@ -473,7 +473,7 @@ class Scheduler:
         records = None
         if self.kv.records is not None:  # every plane's table: the call may encode groups of any of them
             fresh, first, tables, truncate = self.kv.records.pending(key)
-            if fresh or tables[0] or truncate is not None:
+            if fresh or any(tables) or truncate is not None:  # planes grow apart (sparse planes hold fewer)
                 records = RecordUpdate(fresh, first, tables, truncate)
         planes = self.num_loops if self.adaptive_exit or self.kv.records is not None else last + 1
         deeper = [self.kv.page_table(key, p)[:pages] for p in range(depth + 1, planes)]
