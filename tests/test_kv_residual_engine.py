@@ -358,6 +358,21 @@ SPEC_MODES = {
 }
 
 
+def _spec_engine(mode: str, kv: dict, **extra) -> EngineCore:
+    """The shipped model (its drafts get accepted and rejected), fp64 on the torch backend."""
+    from specloop.assets import default_model_path
+    return EngineCore(EngineConfig.from_kwargs(
+        str(default_model_path()), device="cpu", dtype="float64", num_kv_pages=512, block_size=8,
+        attention_backend="torch", max_num_batched_tokens=64, kv_residual_quantization=kv, **SPEC_MODES[mode],
+        **extra))
+
+
+def _spec_prompts() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return {"a": torch.randint(3, 4000, (120,), generator=gen).tolist(),
+            "b": torch.randint(3, 4000, (56,), generator=gen).tolist()}
+
+
 @pytest.mark.parametrize("mode", list(SPEC_MODES))
 def test_speculation_reads_what_serial_decoding_reads(mode):
     """Block rounds and token pipelines under the serial policy (the shipped model, whose
@@ -367,13 +382,8 @@ def test_speculation_reads_what_serial_decoding_reads(mode):
     reference's (which decodes serially), across groups that fill and seal during decode."""
     from specloop.assets import default_model_path
     ckpt = default_model_path()
-    gen = torch.Generator().manual_seed(3)
-    # decoding fills a group (row 127; row 63) and reads it from its seal on (140; 76)
-    prompts = {"a": torch.randint(3, 4000, (120,), generator=gen).tolist(),
-               "b": torch.randint(3, 4000, (56,), generator=gen).tolist()}
-    engine = EngineCore(EngineConfig.from_kwargs(
-        str(ckpt), device="cpu", dtype="float64", num_kv_pages=512, block_size=8, attention_backend="torch",
-        max_num_batched_tokens=64, kv_residual_quantization={"tail": SPEC_TAIL}, **SPEC_MODES[mode]))
+    prompts = _spec_prompts()  # decoding fills a group (row 127; row 63) and reads it from its seal on (140; 76)
+    engine = _spec_engine(mode, {"tail": SPEC_TAIL})
     got = _run(engine, prompts, max_tokens=SPEC_TOKENS)
     stats = engine.stats()
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "rounds must both accept and reject"
@@ -467,15 +477,8 @@ def test_execution_policy_under_speculation_rolls_sealed_candidates_back(mode):
     candidates that get rejected. The rollback unseals them and the groups encoded against
     them, their tails stay until their rows commit, and after every step every encoded
     group holds what its current rows encode to; pages and records all come back."""
-    from specloop.assets import default_model_path
-    ckpt = default_model_path()
-    gen = torch.Generator().manual_seed(3)
-    prompts = {"a": torch.randint(3, 4000, (120,), generator=gen).tolist(),
-               "b": torch.randint(3, 4000, (56,), generator=gen).tolist()}
-    engine = EngineCore(EngineConfig.from_kwargs(
-        str(ckpt), device="cpu", dtype="float64", num_kv_pages=512, block_size=8, attention_backend="torch",
-        max_num_batched_tokens=64, kv_residual_quantization={"tail": 2, "policy": "execution"},
-        **SPEC_MODES[mode]))
+    prompts = _spec_prompts()
+    engine = _spec_engine(mode, {"tail": 2, "policy": "execution"})
     store = engine.executor.runner.residuals
     unsealed = []
     truncate = store.truncate
@@ -523,16 +526,11 @@ def test_snapshots_right_after_rollbacks(policy, monkeypatch):
     snapshot applies it first, so no rejected row or group sealed over one is captured)
     and restored into a fresh engine; the restored planes equal the live ones' (rows, maps,
     encoded groups' bytes and seals), and the live run goes on to the end."""
-    from specloop.assets import default_model_path
     from specloop.engine.snapshot import RequestSnapshot, SnapshotError
-    ckpt = default_model_path()
 
     def make() -> EngineCore:
-        return EngineCore(EngineConfig.from_kwargs(
-            str(ckpt), device="cpu", dtype="float64", num_kv_pages=512, block_size=8, attention_backend="torch",
-            max_num_batched_tokens=64, token_sparse_prefill={"window": 16, "retention": [1.0, 1.0, 0.5, 0.25]},
-            kv_residual_quantization={"tail": 2 if policy == "execution" else SPEC_TAIL, "policy": policy},
-            **SPEC_MODES["block-d1"]))
+        return _spec_engine("block-d1", {"tail": 2 if policy == "execution" else SPEC_TAIL, "policy": policy},
+                            token_sparse_prefill={"window": 16, "retention": [1.0, 1.0, 0.5, 0.25]})
 
     from specloop.engine import snapshot as snapshot_module
     flush, pending = snapshot_module._flush_records, []
