@@ -203,7 +203,8 @@ def main() -> None:
     p.add_argument("--capacity-bytes", type=int, default=20 << 30)
     p.add_argument("--capacity-requests", type=int, default=24)
     p.add_argument("--capacity-prompt", type=int, default=8192)
-    p.add_argument("--capacity-decode", type=int, default=16)
+    p.add_argument("--capacity-decode", type=int, default=128,
+                   help="tokens each decodes: long enough that early requests still run when the last is admitted")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
