@@ -25,6 +25,7 @@ import torch
 from specloop.kernels.int4_groups import GROUP
 from specloop.kernels.residual_encode import encode_groups
 from specloop.runtime.kv_residual import EncodePlan, PackedResiduals
+from tests.test_kv_residual import _schedule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 16
@@ -74,24 +75,6 @@ def _exact(t: int, heads: int, dim: int, dtype: torch.dtype, has: torch.Tensor, 
     return x
 
 
-def _schedule(t: int, rng: random.Random) -> list[list[tuple[int, int, int]]]:
-    """Passes of (plane, start, end) chunks: plane p runs positions plane p - 1 finished in an
-    earlier pass (the wavefront); chunk lengths random, single tokens included."""
-    done = [0] * PLANES
-    passes = []
-    while done[-1] < t:
-        chunks, snapshot = [], list(done)
-        for p in range(PLANES):
-            limit = t if p == 0 else snapshot[p - 1]
-            if done[p] < limit and rng.random() < 0.8:
-                end = min(limit, done[p] + rng.choice([1, 3, 17, 64, 100, 200]))
-                chunks.append((p, done[p], end))
-                done[p] = end
-        if chunks:
-            passes.append(chunks)
-    return passes
-
-
 def _kernel_encode(store: PackedResiduals, layer: int, plan: EncodePlan, k_tail: torch.Tensor, v_tail: torch.Tensor,
                    tables: torch.Tensor, use_triton: bool) -> None:
     """`PackedResiduals.encode` as the kernel does it: a launch per plane, in plane order."""
@@ -133,7 +116,7 @@ def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]
 
     done0 = 0  # positions with a plane-0 row
     encoded_per_plane, chained, written = [0] * PLANES, 0, []
-    for chunks in _schedule(t, rng):
+    for chunks in _schedule(t, rng, (1, 3, 17, 64, 100, 200)):
         call = [(c, p, s, e) for c in cell_ids for (p, s, e) in chunks]
         rng.shuffle(call)
         cols: list[list] = [[], [], [], []]

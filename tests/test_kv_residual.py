@@ -65,9 +65,11 @@ class _Sequence:
         return out[0], out[1]
 
 
-def _schedule(t: int, rng: random.Random) -> list[list[tuple[int, int, int]]]:
+def _schedule(t: int, rng: random.Random, lengths: tuple[int, ...] = (1, 1, 3, 17, 64, 100, 200)
+              ) -> list[list[tuple[int, int, int]]]:
     """Passes of (plane, start, end) chunks: plane p runs positions plane p - 1 finished in an
-    earlier pass (the wavefront); chunk lengths random, single tokens included."""
+    earlier pass (the wavefront); chunk lengths drawn from `lengths`, single tokens included.
+    tests/test_kernels_residual_encode.py schedules with it too."""
     done = [0] * PLANES
     passes = []
     while done[-1] < t:
@@ -75,7 +77,7 @@ def _schedule(t: int, rng: random.Random) -> list[list[tuple[int, int, int]]]:
         for p in range(PLANES):
             limit = t if p == 0 else snapshot[p - 1]
             if done[p] < limit and rng.random() < 0.8:
-                end = min(limit, done[p] + rng.choice([1, 1, 3, 17, 64, 100, 200]))
+                end = min(limit, done[p] + rng.choice(lengths))
                 chunks.append((p, done[p], end))
                 done[p] = end
         if chunks:

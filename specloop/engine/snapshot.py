@@ -42,6 +42,7 @@ from specloop.errors import SpecloopError
 from specloop.flashloop.config import summary as group_summary
 from specloop.pipeline.rounds import Round
 from specloop.pipeline.token_pipeline import LiveToken, PipelineState
+from specloop.runtime.forward_batch import ResidualUpdate
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.request import Request, Status, new_incarnation
@@ -224,18 +225,14 @@ def _capture_residual(core: "EngineCore", req: Request) -> dict[str, Any]:
 
 def _flush_records(store: "PackedResiduals", records: "ResidualRecords", key: str, cell: int) -> None:
     """Apply to the device now what the request's next plan would bring its planes (a reset,
-    a rollback's truncate, new records), as the runner does: a snapshot reads the device."""
+    a rollback's truncate, new records): a snapshot reads the device."""
     fresh, first, tables, truncate = records.pending(key)
     device = store.seal.device
-    cells = torch.tensor([cell], device=device)
-    if fresh:
-        store.reset(cells)
-    if truncate is not None:
-        store.truncate(cells, torch.tensor([truncate], device=device))
-    for plane, ids in enumerate(tables):
-        if ids:
-            store.assign(cell, plane, torch.arange(first[plane], first[plane] + len(ids), device=device),
-                         torch.tensor(ids, device=device))
+    assign = [[cell, plane, first[plane] + i, r] for plane, ids in enumerate(tables) for i, r in enumerate(ids)]
+    store.apply(ResidualUpdate(torch.tensor([cell] if fresh else [], dtype=torch.long, device=device),
+                               torch.tensor(assign, dtype=torch.long, device=device).view(-1, 4),
+                               torch.tensor([] if truncate is None else [cell, truncate], dtype=torch.long,
+                                            device=device).view(-1, 2)))
 
 
 def _capture_slots(core: "EngineCore", req: Request) -> dict[str, Any]:

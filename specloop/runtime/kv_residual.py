@@ -62,7 +62,7 @@ from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_attention import PackedKV
 from specloop.kernels.packed_rows import NEVER  # seal of a group no query reads reconstructed (not encoded yet)
 from specloop.kernels.residual_encode import encode_groups
-
+from specloop.runtime.forward_batch import ResidualUpdate
 
 
 @dataclasses.dataclass
@@ -142,6 +142,16 @@ class PackedResiduals:
         its past)."""
         self.group_tables[cells, planes, groups] = records.to(torch.int32)
         self.seal[records.long()] = NEVER
+
+    def apply(self, update: ResidualUpdate) -> None:
+        """What a plan brings the planes, before any row is appended: resets of cells that
+        start over, then rollbacks' truncates, then new records."""
+        if update.resets.numel():
+            self.reset(update.resets)
+        if update.truncate.numel():
+            self.truncate(update.truncate[:, 0], update.truncate[:, 1])
+        if update.assign.numel():
+            self.assign(*update.assign.unbind(1))
 
     def truncate(self, cells: torch.Tensor, keep: torch.Tensor) -> None:
         """Speculation rolled back: rows at positions >= keep [n] leave every plane of `cells`

@@ -30,7 +30,7 @@ from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
 from specloop.runtime import sparse_prefill
 from specloop.runtime.attention import AttentionBackend, Bound
-from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ReleaseBatch, ResidualUpdate
+from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ReleaseBatch
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
 from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
@@ -89,7 +89,7 @@ class Runner:
         batch = self.batches.build(plan)
         slots = self.slots
         if batch.residual_update is not None:  # before anything appends rows
-            self._assign_records(batch.residual_update)
+            self.residuals.apply(batch.residual_update)
         if batch.release is not None:
             self._committed[batch.release.cells] = batch.release.committed
         if batch.windows is not None:  # before anything reads the rows' slots or positions
@@ -164,15 +164,6 @@ class Runner:
             out = self._exit(lp, rows, out, keep)
         slots.advance(rows, lp.depths, out)
         return out
-
-    def _assign_records(self, update: ResidualUpdate) -> None:
-        store = self.residuals
-        if update.resets.numel():
-            store.reset(update.resets)
-        if update.truncate.numel():
-            store.truncate(update.truncate[:, 0], update.truncate[:, 1])
-        if update.assign.numel():
-            store.assign(*update.assign.unbind(1))
 
     def _residual_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> EncodePlan:
         """Append the pass's rows that write K/V (not exited) and plan which groups encode."""
