@@ -11,9 +11,8 @@ CPU smoke run:
 
 Variants: `bf16` (the format off) and `int4` (kv_residual_quantization with --tail), and with
 --sparse also `int4+sparse` (token-sparse prefill at its defaults on top). Every engine
-gets the same options: --attention-backend, eager (the residual passes have no CUDA graphs
-yet, so the BF16 engine runs eager too; --bf16-graphs adds a `bf16-graphs` variant for the
-gap), max_num_seqs, max_num_batched_tokens, block size. One engine at a time.
+gets the same options: --attention-backend, CUDA graphs (or, with --eager, none),
+max_num_seqs, max_num_batched_tokens, block size. One engine at a time.
 
 Parts (--parts):
 - memory: per --lengths prompt L, one request of L random tokens decoding --decode-tokens
@@ -60,12 +59,10 @@ def _sync(cuda: bool) -> None:
 
 
 def variants(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    base = {"enforce_eager": True}
+    base = {"enforce_eager": True} if args.eager else {}
     out = {"bf16": dict(base), "int4": {**base, "kv_residual_quantization": {"tail": args.tail}}}
     if args.sparse:
         out["int4+sparse"] = {**out["int4"], "token_sparse_prefill": {}}
-    if args.bf16_graphs:
-        out["bf16-graphs"] = {}
     return out
 
 
@@ -193,7 +190,7 @@ def main() -> None:
     p.add_argument("--variants", default=None, help="comma-separated subset of the variants")
     p.add_argument("--tail", type=int, default=64)
     p.add_argument("--sparse", action="store_true", help="add int4+sparse (token-sparse prefill on top)")
-    p.add_argument("--bf16-graphs", action="store_true", help="add bf16 with CUDA graphs")
+    p.add_argument("--eager", action="store_true", help="every engine without CUDA graphs")
     p.add_argument("--lengths", type=_ints, default=[8192, 32768])
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--memory-bytes", type=int, default=40 << 30)

@@ -4,8 +4,8 @@ Usage (device machine):
     python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b
     python bench/profile_kv_residual.py --model /tmp/ouro14 --out bench/results/profile_kv_residual_h200.json
 
-One request of --prompt random tokens decoding --decode tokens (eager, kv_residual_quantization
-at its defaults, the default backend): the wall time of every engine step, then a profile
+One request of --prompt random tokens decoding --decode tokens (eager, or with --graphs CUDA
+graphs; kv_residual_quantization at its defaults, or off with --bf16; the default backend): the wall time of every engine step, then a profile
 (torch.profiler, CPU and CUDA) of one more request's prefill steps and of --profiled decode
 steps, summarised as the top operators by self CUDA time and by self CPU time.
 """
@@ -45,12 +45,14 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=16)
     p.add_argument("--profiled", type=int, default=3)
     p.add_argument("--kv-cache-bytes", type=int, default=30 << 30)
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs on (default: eager)")
+    p.add_argument("--bf16", action="store_true", help="the format off: BF16 pages, for comparison")
     args = p.parse_args()
     model, _ = load_model(args.model, dtype=torch.bfloat16, device="cuda")
     model.fuse_projections()
     engine = EngineCore(EngineConfig.from_kwargs(
-        args.model, device="cuda", dtype="bfloat16", enforce_eager=True, kv_cache_bytes=args.kv_cache_bytes,
-        kv_residual_quantization={}), model=model, tokenizer=load_tokenizer(args.model))
+        args.model, device="cuda", dtype="bfloat16", enforce_eager=not args.graphs, kv_cache_bytes=args.kv_cache_bytes,
+        **({} if args.bf16 else {"kv_residual_quantization": {}})), model=model, tokenizer=load_tokenizer(args.model))
     params = SamplingParams(max_tokens=args.decode, temperature=0.0, ignore_eos=True)
     engine.add_request("a", _prompt(args.prompt, model.config.vocab_size, 1), params)
     steps = []

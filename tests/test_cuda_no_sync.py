@@ -20,13 +20,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("spec", [{}, {"exit_threshold": 0.7}, {"speculation": "block"},
-                                  {"speculation": "pipeline", "draft_loops": 1}])
+                                  {"speculation": "pipeline", "draft_loops": 1},
+                                  {"kv_residual_quantization": {"tail": 2}},
+                                  {"kv_residual_quantization": {"tail": 2, "policy": "execution"},
+                                   "speculation": "block"}])
 def test_submit_does_not_synchronise(tiny_ckpt, spec):
     engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cuda", dtype="float32",
                                                  kv_cache_bytes=64 << 20, max_num_batched_tokens=16, **spec))
     forbid_syncs(engine)
     for i, params in enumerate([SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                 SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]):
-        engine.add_request(f"r{i}", list(range(5, 5 + 7 * (i + 1))), params)
+        engine.add_request(f"r{i}", list(range(5, 5 + 40 * (i + 1))), params)  # r1 fills a group
     outputs = engine.drain()  # warm-up happens inside: the first calls are checked too
     assert sum(len(o.token_ids) for o in outputs) == 24

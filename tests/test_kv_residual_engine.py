@@ -107,6 +107,35 @@ def test_staggered_arrivals_mix_prefill_and_decode(tiny_ckpt, refs):
     _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
 
 
+@pytest.mark.parametrize("policy, sparse", [("serial", False), ("execution", False), ("serial", True)])
+def test_graph_shaped_passes_decode_what_exact_ones_decode(tiny_ckpt, policy, sparse):
+    """Passes in a CUDA graph's shape (what `LoopGraphs` replays: rows padded to a bucket, the
+    pass's cells padded with the pad cell, a fixed number of candidate groups per cell and
+    every plane), run eagerly: the same tokens and bit-equal logprobs as exact-sized passes,
+    and the pad cell never holds a row or a record."""
+    from specloop.runtime.graphs import DEFAULT_BUCKETS
+
+    prompts = {"a": PROMPTS[1], "b": PROMPTS[0][:120]}  # groups seal in both
+    want = _run(_engine(tiny_ckpt, sparse=sparse, policy=policy, max_num_batched_tokens=32), prompts, stagger=True)
+    engine = _engine(tiny_ckpt, sparse=sparse, policy=policy, max_num_batched_tokens=32)
+    batches = engine.executor.runner.batches
+    batches.buckets = DEFAULT_BUCKETS[:7]  # up to 32 rows
+    shaped = []
+    build = batches.build
+
+    def counting(plan):
+        batch = build(plan)
+        shaped.extend(lp.residual.pass_cells.numel() > len({g.cell for g in plan.groups}) for lp in batch.passes)
+        return batch
+
+    batches.build = counting
+    assert _run(engine, prompts, stagger=True) == want
+    assert any(shaped), "some pass was padded to a graph's cells"
+    store = engine.executor.runner.residuals
+    assert int(store.rows[store.pad_cell].sum()) == 0 and int(store.encoded[store.pad_cell].sum()) == 0
+    assert bool((store.group_tables[store.pad_cell] == store.sink).all())
+
+
 def _records_on_device(engine: EngineCore) -> None:
     """Every group a running request's device rows reach has a record, and it is the host's:
     records reach the device for every plane, however the planes grow."""

@@ -157,9 +157,7 @@ class EngineCore:
                      mcfg.head_dim, self.model.dtype, device)
         self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
                                     mcfg.num_key_value_heads, residuals)
-        # no CUDA graphs for the INT4 residual passes yet (their encoding candidates vary per call)
-        graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager \
-            and residuals is None
+        graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
                                       -(-self.max_model_len // config.block_size), config.block_size, device,
@@ -169,9 +167,8 @@ class EngineCore:
                         config.seed, heads, token_sparse=sparse, residuals=residuals)
         if graphed:
             runner.use_graphs(LoopGraphs(
-                runner.run_pass, buckets, mcfg.hidden_size, self.model.dtype,
-                mcfg.num_loops if threshold < 1.0 else 0, self.backend.tile_rows[0], mcfg.num_key_value_heads,
-                self.max_model_len, batches.max_tables, num_pages, num_token_slots, config.block_size, device))
+                runner.run_pass, batches, mcfg.hidden_size, self.model.dtype, threshold < 1.0,
+                mcfg.num_key_value_heads, self.max_model_len, num_pages, device))
         self.executor = Executor(runner)
         self.speculation_heads: SpeculationHeads | None = next(iter(heads.values())) if heads else None
         self.metrics = SpeculationMetrics(max(speculation.draft_width if speculation else 0, 1))
@@ -215,7 +212,7 @@ class EngineCore:
                                 group.policy)
         self.kv.records = ResidualRecords(planes, num_records, record_bytes, cfg.token_sparse_prefill)
         groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
-        ints = seqs + 4 * planes * groups * seqs + planes * seqs * (1 + planes)
+        ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (3 + planes) * seqs  # resets, records, truncates, scans
         return store, ints
 
     def _num_pages(self, page_bytes: int, device: torch.device) -> int:

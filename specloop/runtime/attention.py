@@ -212,7 +212,8 @@ class TritonAttention:
         longest = max((s.context for s in lp.groups), default=0)
         if lp.encode_plan is not None:  # the packed reader, over the same query tiles
             readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
-            splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
+            if splits is None:
+                splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
             return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
                               readers, lp.table_offsets)
         if splits is None:  # eager: from this call's tiles and longest context

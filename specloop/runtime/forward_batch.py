@@ -22,8 +22,10 @@ shapes and query tiles. Views into the device buffer, by segment:
   the pass's rows' absolute positions (any order; nonconsecutive allowed), depths, token
   slots and page-table offsets at that pass, its query tiles when the backend asks for
   them ((first row, rows, table offset) for runs of at most `tile_rows` rows of one group:
-  the backend's small size when every group fits in it, its large size otherwise), and
-  with adaptive exit every plane's page-table offset (-1 where none).
+  the backend's small size when every group fits in it, its large size otherwise), with
+  adaptive exit every plane's page-table offset (-1 where none), and with INT4 residuals
+  the rows' request cells and the pass's `ResidualPass` columns (request cells and their
+  planes' page-table offsets; padded with the pad cell in a pass a graph replays).
 
 A group at a sparse loop of token-sparse prefill (`RowGroup.window`) holds placeholder
 positions and token slots in its rows; the runner fills them in on the device from the
@@ -125,26 +127,38 @@ class LoopPass:
 @dataclasses.dataclass(frozen=True)
 class PassLayout:
     """Where each column of one pass sits in its block of `bucket` rows: positions, depths,
-    token slots and page-table offsets ([b] each), query tiles ([b, 3]: at most one per row)
-    and, with adaptive exit, every plane's page-table offset ([R, b]). Rows past the pass's
-    own are padding: position 0, depth 0, the pad token slot, the pad table entry (whose page
-    is a sink nobody reads), tiles of 0 rows, no planes (-1). A CUDA graph captured for a
-    bucket reads a block of this layout at a fixed address."""
+    token slots and page-table offsets ([b] each), query tiles ([b, 3]: at most one per row),
+    with adaptive exit every plane's page-table offset ([R, b]), and with INT4 residuals
+    (`residual_planes` P) the rows' request cells ([b]), then `residual_cells` C request
+    cells and their planes' page-table offsets ([C, P]). Rows past the pass's own are
+    padding: position 0, depth 0, the pad token slot, the pad table entry (whose page is a
+    sink nobody reads), tiles of 0 rows, no planes (-1), the pad cell; cells past the
+    pass's own are the pad cell with no planes (-1). A CUDA graph captured for a bucket
+    reads a block of this layout at a fixed address."""
 
     bucket: int
     planes: int  # R with adaptive exit, else 0
+    residual_planes: int = 0  # P with INT4 residuals, else 0
+    residual_cells: int = 0  # C: request cells of the residual columns
 
     @property
     def size(self) -> int:
-        return (4 + TILE_COLUMNS + self.planes) * self.bucket
+        residual = self.bucket + self.residual_cells * (1 + self.residual_planes) if self.residual_planes else 0
+        return (4 + TILE_COLUMNS + self.planes) * self.bucket + residual
 
     def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
         b = self.bucket
         out = {"positions": block[:b], "depths": block[b: 2 * b], "token_slots": block[2 * b: 3 * b],
                "table_offsets": block[3 * b: 4 * b],
                "tiles": block[4 * b: (4 + TILE_COLUMNS) * b].view(b, TILE_COLUMNS)}
+        at = (4 + TILE_COLUMNS + self.planes) * b
         if self.planes:
-            out["planes"] = block[(4 + TILE_COLUMNS) * b: self.size].view(self.planes, b).t()
+            out["planes"] = block[(4 + TILE_COLUMNS) * b: at].view(self.planes, b).t()
+        if self.residual_planes:
+            c, p = self.residual_cells, self.residual_planes
+            out["cells"] = block[at: at + b]
+            out["pass_cells"] = block[at + b: at + b + c]
+            out["plane_tables"] = block[at + b + c: at + b + c * (1 + p)].view(c, p)
         return out
 
 
@@ -189,13 +203,22 @@ class ResidualPass:
     """What one loop pass tells the INT4 residual planes (`specloop.runtime.kv_residual`):
     each row's request cell, and per request cell in the pass the page-table offset of every
     plane it may encode groups of (-1: none; planes below the cell's shallowest row in the
-    pass cannot change), with `candidates` groups per (cell, plane) to look at."""
+    pass cannot change), with `candidates` groups per (cell, plane) to look at. A pass a
+    CUDA graph replays has the bucket's fixed shape (`residual_shape`): its cells padded
+    with the pad cell, and every plane in `depths`."""
 
     cells: torch.Tensor  # [N_p] long: each row's request cell
     pass_cells: torch.Tensor  # [C] long
     plane_tables: torch.Tensor  # [C, P] long
     candidates: int
     depths: tuple[int, ...] = ()  # planes the pass has rows at (host: which planes may encode at all)
+
+
+def residual_candidates(rows: int, planes: int) -> int:
+    """Groups to look at per (cell, plane) of a pass whose cells hold at most `rows` rows:
+    those the rows can fill, plus room for groups waiting on the plane before (at most one
+    per plane can be pending: docs/flashloop.md)."""
+    return rows // 64 + planes + 2
 
 
 @dataclasses.dataclass
@@ -258,8 +281,9 @@ class ForwardBatchBuilder:
         `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
         `pad_slot`: the token slot padding rows name (a sink row of the slot storage);
         `window_slots`: the most window token slots one plan's sparse prefill groups carry;
-        `residual_ints`: the most integers one plan's INT4 residual records and passes add
-        (0: the format is off)."""
+        `residual_ints`: the most integers one plan's INT4 residual records and release scans
+        add (0: the format is off; on, each pass block holds its residual columns, and
+        request cell `max_seqs` is the pad cell)."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
         self.page_size = page_size
@@ -269,10 +293,12 @@ class ForwardBatchBuilder:
         self.pad_slot = pad_slot
         self.max_tables = max_seqs * num_loops * max_pages_per_seq
         self.pad_table = self.max_tables  # the sink entry a graph's table buffer holds past every real one
-        block = max(PassLayout(max_rows, num_loops).size, PassLayout(max(self.buckets, default=1), num_loops).size)
+        self.residual = residual_ints > 0
+        self.max_seqs = max_seqs
+        self.pad_cell = max_seqs  # what padding rows and cells of a pass name (INT4 residuals)
+        block = max(self._layout(b, num_loops, min(b, max_seqs)).size for b in (max_rows, *self.buckets))
         ints = self.ROW_COLUMNS * max_rows + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables + num_loops * block
         ints += window_slots + residual_ints
-        self.residual = residual_ints > 0
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -291,6 +317,27 @@ class ForwardBatchBuilder:
             if rows <= b:
                 return b
         return rows
+
+    def graphed(self, bucket: int, tile_rows: int) -> bool:
+        """Whether a pass of this bucket and tile size has a graph's shape (`LoopGraphs.fits`)."""
+        return bucket in self.buckets and (self.tile_rows is None or tile_rows == self.tile_rows[0])
+
+    def _layout(self, bucket: int, planes: int, cells: int) -> PassLayout:
+        return PassLayout(bucket, planes, self.num_loops if self.residual else 0, cells if self.residual else 0)
+
+    def graph_layout(self, bucket: int, adaptive_exit: bool) -> PassLayout:
+        """The block layout of the graph of `bucket` rows (every request cell column padded)."""
+        return self._layout(bucket, self.num_loops if adaptive_exit else 0, min(bucket, self.max_seqs))
+
+    def graph_residual(self, bucket: int) -> tuple[int, tuple[int, ...]] | None:
+        """(candidates, planes) of a graphed pass's `ResidualPass`: fixed by the bucket."""
+        if not self.residual:
+            return None
+        return residual_candidates(bucket, self.num_loops), tuple(range(self.num_loops))
+
+    def pad_block(self, layout: PassLayout) -> torch.Tensor:
+        """A block of padding rows only (what a CUDA graph is captured on)."""
+        return pad_block(layout, self.pad_slot, self.pad_table, self.device, self.pad_cell)
 
     def build(self, plan: Plan) -> ForwardBatch:
         cells: list[int] = []
@@ -348,19 +395,28 @@ class ForwardBatchBuilder:
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
         ints = cells + slots + tokens + enter + enter_inc + head_ints + tables
-        blocks = []  # (at, layout, rows, tile_rows) per pass
+        blocks = []  # (at, layout, rows, tile_rows, tiles, residual) per pass
         for p, pass_shapes in enumerate(shapes):
             n = sum(s.rows for s in pass_shapes)
-            layout = PassLayout(self.bucket(n), len(plane_columns))
             tiles, tile_rows = self._tiles(pass_shapes)
-            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS))
-            ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns))
+            bucket = self.bucket(n)
+            rp = self._residual_pass(ordered, p, table_at) if self.residual else None
+            if rp is None:
+                layout = self._layout(bucket, len(plane_columns), 0)
+            elif self.graphed(bucket, tile_rows):  # the graph's fixed shape
+                layout = self.graph_layout(bucket, bool(plane_columns))
+                rp = rp[:2] + self.graph_residual(bucket)
+            else:
+                layout = self._layout(bucket, len(plane_columns), len(rp[0]))
+            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:]))
+            ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns,
+                                    cells, rp))
         window_at = len(ints)
         if windows:
             ints.extend(self._window_ints(windows))
         residual_at = len(ints)
         if self.residual:
-            residual = self._residual_ints(plan, ordered, num_passes, table_at)
+            residual = self._residual_ints(plan)
             ints.extend(residual[0])
         if len(ints) > self._ints.numel():
             raise ValueError(f"a plan's {len(ints)} integers exceed the forward batch's upload buffer "
@@ -377,9 +433,8 @@ class ForwardBatchBuilder:
             self._residual_views(batch, residual[1], dev_ints, residual_at)
         return batch
 
-    def _residual_ints(self, plan: Plan, ordered: list[RowGroup], num_passes: int,
-                       table_at: dict[tuple[int, int], int]) -> tuple[list[int], tuple]:
-        """`ResidualUpdate` and every pass's `ResidualPass` as integers, and their sizes."""
+    def _residual_ints(self, plan: Plan) -> tuple[list[int], tuple]:
+        """`ResidualUpdate` and the `ReleaseBatch` as integers, and their sizes."""
         resets: list[int] = []
         assign: list[int] = []
         truncate: list[int] = []
@@ -394,33 +449,32 @@ class ForwardBatchBuilder:
                 for i, record in enumerate(records):
                     assign += [g.cell, plane, g.records.first[plane] + i, record]
         out = resets + assign + truncate
-        sizes = []
-        for p in range(num_passes):
-            shallowest: dict[int, int] = {}
-            rows: dict[int, int] = {}
-            for g in ordered:
-                if g.loops > p:
-                    shallowest[g.cell] = min(shallowest.get(g.cell, self.num_loops), g.depth + p)
-                    rows[g.cell] = rows.get(g.cell, 0) + g.num_rows
-            cells = list(shallowest)
-            out += cells
-            for c in cells:
-                out += [table_at.get((c, plane), -1) if plane >= shallowest[c] else -1
-                        for plane in range(self.num_loops)]
-            # groups that may turn ready: those the pass's rows fill, plus those waiting on the
-            # plane before (at most one per plane: docs/flashloop.md)
-            most = max(rows.values(), default=0)
-            depths = sorted({g.depth + p for g in ordered if g.loops > p})
-            sizes.append((len(cells), most // 64 + self.num_loops + 2, tuple(depths)))
         bs = self.page_size
         span = max((scan.frontier - r * bs for scan in plan.releases for r in scan.released), default=0)
         span = max(0, min(RELEASE_SPAN, -(-span // bs) * bs))
         for scan in plan.releases:
             out += [scan.cell, scan.frontier, scan.committed, *scan.released]
-        return out, (len(resets), len(assign) // 4, len(truncate) // 2, sizes, len(plan.releases), span)
+        return out, (len(resets), len(assign) // 4, len(truncate) // 2, len(plan.releases), span)
+
+    def _residual_pass(self, ordered: list[RowGroup], p: int, table_at: dict[tuple[int, int], int]
+                       ) -> tuple[list[int], list[int], int, tuple[int, ...]]:
+        """Pass p's `ResidualPass` on the host: its request cells, their planes' page-table
+        offsets (row-major, -1 below the cell's shallowest row in the pass), candidates and
+        the planes it has rows at."""
+        shallowest: dict[int, int] = {}
+        rows: dict[int, int] = {}
+        for g in ordered:
+            if g.loops > p:
+                shallowest[g.cell] = min(shallowest.get(g.cell, self.num_loops), g.depth + p)
+                rows[g.cell] = rows.get(g.cell, 0) + g.num_rows
+        cells = list(shallowest)
+        plane_tables = [table_at.get((c, plane), -1) if plane >= shallowest[c] else -1
+                        for c in cells for plane in range(self.num_loops)]
+        depths = tuple(sorted({g.depth + p for g in ordered if g.loops > p}))
+        return cells, plane_tables, residual_candidates(max(rows.values(), default=0), self.num_loops), depths
 
     def _residual_views(self, batch: ForwardBatch, sizes: tuple, ints: torch.Tensor, at: int) -> None:
-        num_resets, num_assign, num_truncate, passes, num_scans, span = sizes
+        num_resets, num_assign, num_truncate, num_scans, span = sizes
         resets = ints[at: at + num_resets]
         at += num_resets
         assign = ints[at: at + 4 * num_assign].view(num_assign, 4)
@@ -428,12 +482,6 @@ class ForwardBatchBuilder:
         truncate = ints[at: at + 2 * num_truncate].view(num_truncate, 2)
         at += 2 * num_truncate
         batch.residual_update = ResidualUpdate(resets, assign, truncate)
-        for lp, (c, candidates, depths) in zip(batch.passes, passes):
-            pass_cells = ints[at: at + c]
-            at += c
-            plane_tables = ints[at: at + c * self.num_loops].view(c, self.num_loops)
-            at += c * self.num_loops
-            lp.residual = ResidualPass(batch.cells[: lp.num_rows], pass_cells, plane_tables, candidates, depths)
         if num_scans:
             scans = ints[at: at + num_scans * (3 + self.num_loops)].view(num_scans, 3 + self.num_loops)
             batch.release = ReleaseBatch(scans[:, 0], scans[:, 1], scans[:, 2], scans[:, 3:], span)
@@ -476,9 +524,11 @@ class ForwardBatchBuilder:
         return WindowBatch(host, slots, info, rows, of, ranks, moved_of, moved_ranks)
 
     def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
-               slots: list[int], shapes: list[GroupShape], tiles: list[int],
-               plane_columns: list[list[int]]) -> list[int]:
-        """Pass p's block (`PassLayout`): its n rows' columns, then padding up to the bucket."""
+               slots: list[int], shapes: list[GroupShape], tiles: list[int], plane_columns: list[list[int]],
+               cells: list[int], residual: tuple | None) -> list[int]:
+        """Pass p's block (`PassLayout`): its n rows' columns, then padding up to the bucket;
+        with INT4 residuals the rows' cells and the pass's (cells, plane tables), padded up
+        to the layout's cells."""
         pad = layout.bucket - n
         out = positions[:n] + [0] * pad
         out += [d + p for d in depths[:n]] + [0] * pad
@@ -489,6 +539,12 @@ class ForwardBatchBuilder:
         out += tiles + [0] * (TILE_COLUMNS * layout.bucket - len(tiles))
         for column in plane_columns:
             out += column[:n] + [-1] * pad
+        if residual is not None:
+            pass_cells, plane_tables = residual[:2]
+            more = layout.residual_cells - len(pass_cells)
+            out += cells[:n] + [self.pad_cell] * pad
+            out += pass_cells + [self.pad_cell] * more
+            out += plane_tables + [-1] * (more * layout.residual_planes)
         return out
 
     def _tiles(self, shapes: list[GroupShape]) -> tuple[list[int], int]:
@@ -535,9 +591,10 @@ class ForwardBatchBuilder:
         head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
         bs = self.page_size
         passes = []
-        for pass_shapes, (start, layout, rows, tile_rows, num_tiles) in zip(shapes, blocks):
+        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, residual) in zip(shapes, blocks):
             passes.append(pass_view(layout, ints[start: start + layout.size], tables, bs, rows, pass_shapes,
-                                    tile_rows, num_tiles if self.tile_rows is not None else None))
+                                    tile_rows, num_tiles if self.tile_rows is not None else None,
+                                    residual=residual))
         segments: dict[type, HeadSegment] = {}
         start = 0
         for kind in HEAD_TYPES:
@@ -555,24 +612,34 @@ class ForwardBatchBuilder:
 
 def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, page_size: int, rows: int,
               shapes: list[GroupShape], tile_rows: int, num_tiles: int | None,
-              num_splits: int | None = None) -> LoopPass:
+              num_splits: int | None = None, residual: tuple[int, tuple[int, ...]] | None = None) -> LoopPass:
     """The `LoopPass` of a block: views of its first `rows` rows (a CUDA graph calls this
-    inside its capture, with every row of the bucket)."""
+    inside its capture, with every row of the bucket); `residual` (candidates, planes with
+    rows) where the layout holds residual columns."""
     v = layout.views(block)
-    return LoopPass(rows, v["positions"][:rows], v["depths"][:rows], tables, v["table_offsets"][:rows],
-                    v["planes"][:rows] if layout.planes else None, shapes, page_size,
-                    tiles=v["tiles"][:num_tiles] if num_tiles is not None else None, tile_rows=tile_rows,
-                    token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits)
+    lp = LoopPass(rows, v["positions"][:rows], v["depths"][:rows], tables, v["table_offsets"][:rows],
+                  v["planes"][:rows] if layout.planes else None, shapes, page_size,
+                  tiles=v["tiles"][:num_tiles] if num_tiles is not None else None, tile_rows=tile_rows,
+                  token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits)
+    if layout.residual_planes:
+        assert residual is not None, "a block with residual columns needs its candidates"
+        lp.residual = ResidualPass(v["cells"][:rows], v["pass_cells"], v["plane_tables"], *residual)
+    return lp
 
 
-def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.device) -> torch.Tensor:
+def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.device, pad_cell: int = 0
+              ) -> torch.Tensor:
     """A block of padding rows only (what a CUDA graph is captured on)."""
     block = torch.zeros(layout.size, dtype=torch.long, device=device)
     b = layout.bucket
     block[2 * b: 3 * b] = pad_slot
     block[3 * b: 4 * b] = pad_table
-    if layout.planes:
-        block[(4 + TILE_COLUMNS) * b:] = -1
+    at = (4 + TILE_COLUMNS + layout.planes) * b
+    block[(4 + TILE_COLUMNS) * b: at] = -1
+    if layout.residual_planes:
+        c = layout.residual_cells
+        block[at: at + b + c] = pad_cell
+        block[at + b + c:] = -1
     return block
 
 

@@ -7,14 +7,20 @@ norm, adaptive exit with LAST_EXITED inheritance, the slot-storage writes), capt
 start-up over stable-address inputs:
 
 - a pass block in the `PassLayout` of b rows (positions, depths, token slots, page-table
-  offsets, query tiles, planes), which a replay fills with one device copy of the block the
-  forward batch uploaded (padding rows included: they name the pad token slot and the pad
-  table entry, whose page is a sink, and tiles of 0 rows, so they write only sinks);
+  offsets, query tiles, planes; with INT4 residuals the rows' request cells and the pass's
+  cells with their planes' tables), which a replay fills with one device copy of the block
+  the forward batch uploaded (padding rows included: they name the pad token slot, the pad
+  table entry, whose page is a sink, and the pad cell, and tiles of 0 rows, so they write
+  only sinks);
 - the page tables, copied once per call into a buffer whose last entry is the sink page;
 - the pass's input hidden rows.
 
 Nothing batch-specific is a constant of the graph: sizes come from the bucket, values from
-the buffers, and split-KV is fixed per bucket (the kernel splits the keys it finds).
+the buffers, and split-KV is fixed per bucket (the kernel splits the keys it finds). With
+INT4 residuals the pass's appends, its encoding plan (a fixed number of candidate groups
+per cell and plane, every plane: `ForwardBatchBuilder.graph_residual`), the per-layer
+encoding and the packed reader are captured too; padding cells' candidates are never
+ready, so they encode into the sink record only.
 Passes whose groups need the kernel's large tiles (prompt chunks) or more rows than the
 largest bucket run eager, as do the heads and sampling.
 """
@@ -28,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from specloop.kernels.paged_attention import choose_splits
-from specloop.runtime.forward_batch import LoopPass, PassLayout, pad_block, pass_view
+from specloop.runtime.forward_batch import ForwardBatchBuilder, LoopPass, PassLayout, pass_view
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +53,23 @@ class _Graph:
 class LoopGraphs:
     """Captures and replays loop passes; `run_pass(lp, hidden)` is the eager body it captures."""
 
-    def __init__(self, run_pass: Callable[[LoopPass, torch.Tensor], torch.Tensor], buckets: tuple[int, ...],
-                 hidden_size: int, dtype: torch.dtype, planes: int, tile_rows: int, num_kv_heads: int,
-                 max_context: int, max_tables: int, sink_page: int, pad_slot: int, page_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, run_pass: Callable[[LoopPass, torch.Tensor], torch.Tensor], batches: ForwardBatchBuilder,
+                 hidden_size: int, dtype: torch.dtype, adaptive_exit: bool, num_kv_heads: int, max_context: int,
+                 sink_page: int, device: torch.device) -> None:
+        """One graph per bucket of `batches` (whose passes it replays: their layouts and the
+        small query tiles are the builder's)."""
         self.run_pass = run_pass
-        self.buckets = buckets
-        self.tile_rows = tile_rows
-        self.page_size = page_size
+        self.batches = batches
+        self.buckets = batches.buckets
+        self.tile_rows = batches.tile_rows[0]
+        self.page_size = batches.page_size
         self.device = device
-        self.tables = torch.zeros(max_tables + 1, dtype=torch.long, device=device)
-        self.tables[max_tables] = sink_page  # the pad table entry
-        self.pad_slot, self.pad_table = pad_slot, max_tables
+        self.tables = torch.zeros(batches.max_tables + 1, dtype=torch.long, device=device)
+        self.tables[batches.pad_table] = sink_page  # the pad table entry
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.splits = {b: choose_splits(b, num_kv_heads, max_context, sms) for b in buckets}
+        self.splits = {b: choose_splits(b, num_kv_heads, max_context, sms) for b in self.buckets}
         self.graphs: dict[int, _Graph] = {}
-        self._hidden_size, self._dtype, self._planes = hidden_size, dtype, planes
+        self._hidden_size, self._dtype, self._adaptive_exit = hidden_size, dtype, adaptive_exit
         self.replays = 0  # passes run through a graph (tests count them)
 
     @torch.inference_mode()
@@ -71,8 +78,8 @@ class LoopGraphs:
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
-            layout = PassLayout(b, self._planes)
-            g = _Graph(layout, pad_block(layout, self.pad_slot, self.pad_table, self.device),
+            layout = self.batches.graph_layout(b, self._adaptive_exit)
+            g = _Graph(layout, self.batches.pad_block(layout),
                        torch.zeros(b, self._hidden_size, dtype=self._dtype, device=self.device))
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -91,11 +98,12 @@ class LoopGraphs:
     def _body(self, g: _Graph) -> torch.Tensor:
         b = g.layout.bucket
         lp = pass_view(g.layout, g.block, self.tables, self.page_size, b, [], self.tile_rows, b,
-                       num_splits=self.splits[b])
+                       num_splits=self.splits[b], residual=self.batches.graph_residual(b))
         return self.run_pass(lp, g.hidden)
 
     def fits(self, lp: LoopPass) -> bool:
-        """A pass replays when its rows fill a captured bucket and its tiles are the small ones."""
+        """A pass replays when its rows fill a captured bucket and its tiles are the small ones
+        (the builder gave such a pass the graph's layout: `ForwardBatchBuilder.graphed`)."""
         return lp.bucket in self.graphs and lp.tile_rows == self.tile_rows
 
     def load_tables(self, tables: torch.Tensor) -> None:

@@ -102,11 +102,13 @@ class PackedResiduals:
         self.seal = torch.full((n,), NEVER, dtype=i32, device=device)
         self.row_pos = torch.zeros(n, GROUP, dtype=i32, device=device)
         max_groups = -(-max_len // GROUP)
-        self.group_tables = torch.full((num_cells, num_planes, max_groups), num_records, dtype=i32, device=device)
-        self.row_maps = torch.full((num_cells, num_planes, max_len), -1, dtype=i32, device=device)
-        self.rows = torch.zeros(num_cells, num_planes, dtype=torch.long, device=device)
-        self.encoded = torch.zeros(num_cells, num_planes, dtype=torch.long, device=device)
+        cells = num_cells + 1  # cell `num_cells` is the pad cell: a CUDA graph's padding rows and cells name it
+        self.group_tables = torch.full((cells, num_planes, max_groups), num_records, dtype=i32, device=device)
+        self.row_maps = torch.full((cells, num_planes, max_len), -1, dtype=i32, device=device)
+        self.rows = torch.zeros(cells, num_planes, dtype=torch.long, device=device)
+        self.encoded = torch.zeros(cells, num_planes, dtype=torch.long, device=device)
         self.sink = num_records
+        self.pad_cell = num_cells  # holds no rows and no records: its candidates are never ready
         self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
 
     def layer_view(self, layer: int) -> PackedKV:
@@ -129,11 +131,12 @@ class PackedResiduals:
     # --- request lifecycle --------------------------------------------------------------
 
     def reset(self, cells: torch.Tensor) -> None:
-        """A fresh request in `cells` [n] long: no rows, nothing encoded, no records."""
-        self.row_maps[cells] = -1
-        self.rows[cells] = 0
-        self.encoded[cells] = 0
-        self.group_tables[cells] = self.sink
+        """A fresh request in `cells` [n] long: no rows, nothing encoded, no records (index
+        fills: an indexed assignment of a Python scalar would synchronise)."""
+        self.row_maps.index_fill_(0, cells, -1)
+        self.rows.index_fill_(0, cells, 0)
+        self.encoded.index_fill_(0, cells, 0)
+        self.group_tables.index_fill_(0, cells, self.sink)
 
     def assign(self, cells: torch.Tensor | int, planes: torch.Tensor | int, groups: torch.Tensor,
                records: torch.Tensor) -> None:
@@ -141,7 +144,7 @@ class PackedResiduals:
         (ints broadcast); the records' seals reset to NEVER (a recycled record keeps none of
         its past)."""
         self.group_tables[cells, planes, groups] = records.to(torch.int32)
-        self.seal[records.long()] = NEVER
+        self.seal.index_fill_(0, records.long(), NEVER)
 
     def apply(self, update: ResidualUpdate) -> None:
         """What a plan brings the planes, before any row is appended: resets of cells that
@@ -180,7 +183,7 @@ class PackedResiduals:
         self.encoded[cells] = encoded
         drop = (g >= encoded[..., None]) & (g < old[..., None])  # [n, P, G]: unsealed
         record = torch.where(drop, tables, torch.full_like(tables, self.sink))
-        self.seal[record.flatten()] = NEVER  # the sink's seal stays NEVER
+        self.seal.index_fill_(0, record.flatten(), NEVER)  # the sink's seal stays NEVER
 
     # --- rows ---------------------------------------------------------------------------
 

@@ -79,8 +79,9 @@ class Runner:
         self.context = HeadContext(model, self.next_token, engine_seed)
         self._pin = self.device.type == "cuda"
         self.residuals = residuals  # INT4 cross-loop KV residual planes (the backend reads them too)
-        # Per request cell: rows at positions below it are committed (set by every call's plan).
-        self._committed = torch.full((max_cells,), 2**62, dtype=torch.long, device=self.device)
+        # Per request cell and the pad cell: rows at positions below it are committed (set by
+        # every call's plan).
+        self._committed = torch.full((max_cells + 1,), 2**62, dtype=torch.long, device=self.device)
         # Tests only: called with (window rows, the window's kept mask) after each selection.
         self.window_probe: sparse_prefill.Probe | None = None
 
@@ -166,9 +167,12 @@ class Runner:
         return out
 
     def _residual_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> EncodePlan:
-        """Append the pass's rows that write K/V (not exited) and plan which groups encode."""
+        """Append the pass's rows that write K/V (not exited; padding rows of a graph's bucket
+        append nothing) and plan which groups encode."""
         store, info = self.residuals, lp.residual
-        active = torch.ones_like(lp.positions, dtype=torch.bool) if keep is None else ~keep
+        active = info.cells != store.pad_cell
+        if keep is not None:
+            active &= ~keep
         store.append(info.cells, lp.depths, lp.positions, active)
         k = info.candidates
         cells = info.pass_cells.repeat_interleave(k)
@@ -196,7 +200,7 @@ class Runner:
             plan.valid.append(offsets >= 0)
         first = None
         if store.policy == "execution":  # the pass's first query per (cell, plane): its safe point
-            first = torch.full((self._committed.shape[0] * store.num_planes,), NEVER, dtype=torch.long,
+            first = torch.full((store.rows.shape[0] * store.num_planes,), NEVER, dtype=torch.long,
                                device=cells.device)
             first.scatter_reduce_(0, info.cells * store.num_planes + lp.depths, lp.positions.long(), reduce="amin")
             first = first.view(-1, store.num_planes)
