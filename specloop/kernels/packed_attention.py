@@ -53,7 +53,10 @@ position. Per block, the row maps and group tables of planes 0..d (a loop over t
 planes, P a constexpr, each plane behind a branch on p <= d that is the same for the whole
 program) give every key's seal once (`_key_seals`); per (query i, key j) the pair is seen
 when j <= q_i and sealed when also q_i >= s_j. Keys some pair reads sealed are decoded
-plane by plane (`_reconstructed`: codes, scale and lo loaded only for them) and keys some
+plane by plane (`_reconstructed`: codes, scale and lo loaded only for them; a plane whose
+keys in the block all lie in one record loads that record's K scale and minimum once, [D],
+instead of per key, and V's per-row parameters load once per 64-channel group, [BLOCK_N],
+not per channel) and keys some
 pair reads exact load their tail slots (`_exact`); a block with neither kind skips that
 half. When every key is read one way by all the pairs that see it (every block of a one-row
 tile; blocks wholly below or above the tile's seals), the block merges the two into one K
@@ -176,18 +179,31 @@ def _reconstructed(
             pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
             byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
             code = (byte >> (4 * (row % 2))[:, None]) & 0xF
-            meta = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
-            scale = tl.load(k_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-            lo = tl.load(k_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+            first = tl.min(tl.where(use, rec, 2**62), axis=0)
+            if first == tl.max(tl.where(use, rec, -1), axis=0):  # one record (the usual block): one [D] load
+                one = (first * num_kv_heads + kv_head) * HEAD_DIM + d
+                scale = tl.broadcast_to(tl.load(k_scale_ptr + one, mask=d_ok, other=0.0).to(tl.float32)[None, :],
+                                        (BLOCK_N, BLOCK_D))
+                lo = tl.broadcast_to(tl.load(k_lo_ptr + one, mask=d_ok, other=0.0).to(tl.float32)[None, :],
+                                     (BLOCK_N, BLOCK_D))
+            else:
+                each = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
+                scale = tl.load(k_scale_ptr + each, mask=ok, other=0.0).to(tl.float32)
+                lo = tl.load(k_lo_ptr + each, mask=ok, other=0.0).to(tl.float32)
             dk = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
-            # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per 64 channels
+            # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per
+            # (row, 64 channels): one [BLOCK_N] load per channel group, spread over its channels
             vrow = (rec * 64 + row) * num_kv_heads + kv_head
             byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
                            other=0).to(tl.int32)
             code = (byte >> (4 * (d % 2))[None, :]) & 0xF
-            meta = vrow[:, None] * V_GROUPS + d[None, :] // 64
-            scale = tl.load(v_scale_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-            lo = tl.load(v_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+            scale = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            lo = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            for g in tl.static_range(V_GROUPS):
+                at = vrow * V_GROUPS + g
+                here = (d // 64 == g)[None, :]
+                scale = tl.where(here, tl.load(v_scale_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], scale)
+                lo = tl.where(here, tl.load(v_lo_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], lo)
             dv = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
             if p == 0:
                 k = tl.where(ok, dk, 0.0)
