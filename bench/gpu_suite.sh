@@ -7,9 +7,11 @@
 # served load; PART=preempt the preemption tests on the GPU and bench/preemption.py;
 # PART=flashloop the token-sparse prefill GPU tests and bench/sparse_prefill.py;
 # PART=quality bench/flashloop_quality.py and the shipped model's acceptance (carry
-# out/stdlib_tokens.npz); PART=residual the INT4 residual kernels' and engine's GPU tests,
-# bench/kv_residual.py and bench/profile_kv_residual.py. Unset: tests, preempt, bench and
-# serve, one after the other.
+# out/stdlib_tokens.npz); PART=residual the INT4 residual kernels' and engine's GPU tests
+# (graph replay and no-sync included); PART=residual-bench bench/profile_kv_residual.py with
+# graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
+# PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K). Unset: tests,
+# preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,11 +39,23 @@ fi
 if [ "$PART" = residual ]; then
   TAIL=12 step 200 python -m pytest -q -rf --tb=short tests/test_kernels_residual_encode.py \
     tests/test_kernels_packed_attention.py tests/test_kernels_int4_groups.py
-  TAIL=6 step 120 python -m pytest -q -rf --tb=short tests/test_kv_residual_engine.py -k cuda
+  TAIL=12 step 300 python -m pytest -q -rf --tb=short tests/test_kv_residual_engine.py tests/test_cuda_graphs.py \
+    tests/test_cuda_no_sync.py -k "cuda or int4 or spec4 or spec5"
+  exit 0
+fi
+if [ "$PART" = residual-bench ]; then  # CUDA graphs on both sides
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
-  TAIL=12 step 120 python bench/profile_kv_residual.py --model /tmp/ouro14 --out "$OUT/profile_kv_residual_h200.json"
-  TAIL=20 step 240 python bench/kv_residual.py --model /tmp/ouro14 --out "$OUT/kv_residual_h200.json" \
-    --parts memory,decode --lengths 8192 --decode-tokens 32 --concurrent 32 --concurrent-prompt 1024 --sparse
+  TAIL=12 step 120 python bench/profile_kv_residual.py --model /tmp/ouro14 --graphs --prompt 8192 \
+    --out "$OUT/profile_kv_residual_graphs_h200.json"
+  TAIL=20 step 420 python bench/kv_residual.py --model /tmp/ouro14 --out "$OUT/kv_residual_decode_h200.json" \
+    --parts decode --lengths 8192,32768 --decode-tokens 32 --concurrent 128 --concurrent-prompt 1024
+  exit 0
+fi
+if [ "$PART" = residual-capacity ]; then
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  TAIL=20 step 500 python bench/kv_residual.py --model /tmp/ouro14 --out "$OUT/kv_residual_capacity_h200.json" \
+    --parts memory,capacity --lengths 8192 --decode-tokens 32 --capacity-bytes $((20 << 30)) \
+    --capacity-requests 24 --capacity-prompt 8192 --capacity-decode 64 --sparse
   exit 0
 fi
 if [ "$PART" = quality ]; then

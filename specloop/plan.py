@@ -144,11 +144,11 @@ class RowGroup:
 class ReleaseScan:
     """INT4 residuals: one request's tail pages the device checks after the call: from
     `released[plane]` leading pages on, those whose every position is read reconstructed by
-    any query at or past `frontier` (the request's shallowest depth frontier)."""
+    any query of that plane's depth at or past `frontiers[plane]`."""
 
     kv_key: str  # the request's residency (a preempted request's next one has another)
     cell: int
-    frontier: int
+    frontiers: list[int]
     released: list[int]
     committed: int  # rows at positions below it are committed (their groups may seal); past it: candidates
 

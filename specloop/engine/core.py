@@ -212,7 +212,7 @@ class EngineCore:
                                 group.policy)
         self.kv.records = ResidualRecords(planes, num_records, record_bytes, cfg.token_sparse_prefill)
         groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
-        ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (3 + planes) * seqs  # resets, records, truncates, scans
+        ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs  # resets, records, truncates, scans
         return store, ints
 
     def _num_pages(self, page_bytes: int, device: torch.device) -> int:

@@ -227,7 +227,7 @@ class ReleaseBatch:
     (request, plane) are checked after the call."""
 
     cells: torch.Tensor  # [C] long
-    frontier: torch.Tensor  # [C] long
+    frontiers: torch.Tensor  # [C, P] long: no query of plane p's depth will lie below frontiers[:, p]
     committed: torch.Tensor  # [C] long: rows at positions below it are committed
     released: torch.Tensor  # [C, P] long: leading pages given back so far
     span: int  # positions checked per (request, plane), a multiple of the page size (0: none)
@@ -450,10 +450,10 @@ class ForwardBatchBuilder:
                     assign += [g.cell, plane, g.records.first[plane] + i, record]
         out = resets + assign + truncate
         bs = self.page_size
-        span = max((scan.frontier - r * bs for scan in plan.releases for r in scan.released), default=0)
+        span = max((f - r * bs for scan in plan.releases for f, r in zip(scan.frontiers, scan.released)), default=0)
         span = max(0, min(RELEASE_SPAN, -(-span // bs) * bs))
         for scan in plan.releases:
-            out += [scan.cell, scan.frontier, scan.committed, *scan.released]
+            out += [scan.cell, scan.committed, *scan.frontiers, *scan.released]
         return out, (len(resets), len(assign) // 4, len(truncate) // 2, len(plan.releases), span)
 
     def _residual_pass(self, ordered: list[RowGroup], p: int, table_at: dict[tuple[int, int], int]
@@ -483,8 +483,9 @@ class ForwardBatchBuilder:
         at += 2 * num_truncate
         batch.residual_update = ResidualUpdate(resets, assign, truncate)
         if num_scans:
-            scans = ints[at: at + num_scans * (3 + self.num_loops)].view(num_scans, 3 + self.num_loops)
-            batch.release = ReleaseBatch(scans[:, 0], scans[:, 1], scans[:, 2], scans[:, 3:], span)
+            p = self.num_loops
+            scans = ints[at: at + num_scans * (2 + 2 * p)].view(num_scans, 2 + 2 * p)
+            batch.release = ReleaseBatch(scans[:, 0], scans[:, 2: 2 + p], scans[:, 1], scans[:, 2 + p:], span)
 
     def _window_ints(self, windows: list[tuple[int, RowGroup, int, int]]) -> list[int]:
         """`WindowBatch`'s integers: padded window slots, per-group info, per-row entries."""

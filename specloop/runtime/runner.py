@@ -139,14 +139,14 @@ class Runner:
 
     def _releasable(self, scan: ReleaseBatch) -> torch.Tensor:
         """[C, P]: leading pages of each scanned (request, plane) whose every position reads
-        its packed groups from the request's shallowest frontier on (so no query will read it
-        exact, and no copy or encoding reads it)."""
+        its packed groups from the plane's frontier on (so no query will read it exact, and
+        no copy or encoding reads it)."""
         store, bs = self.residuals, self.batches.page_size
         span = torch.arange(scan.span, device=scan.cells.device)
         out = []
         for p in range(store.num_planes):
             positions = (scan.released[:, p, None] * bs + span).clamp(max=store.max_len - 1)
-            ok = store.seals(scan.cells, p, positions) <= scan.frontier[:, None]
+            ok = store.seals(scan.cells, p, positions) <= scan.frontiers[:, p, None]
             whole = ok.view(ok.shape[0], -1, bs).all(-1).long()  # [C, span / bs] pages
             out.append(scan.released[:, p] + whole.cumprod(-1).sum(-1))
         return torch.stack(out, 1)

@@ -355,21 +355,27 @@ class Scheduler:
     def _release_scans(self, groups: list[RowGroup]) -> list[ReleaseScan]:
         """INT4 residuals: for each request in the plan, where the device should look for
         tail pages no query will read exact again once the plan ran: from each plane's
-        released pages up to the request's shallowest frontier (the plan's rows counted), or
-        its committed tokens when it speculates (a rejection re-runs the positions after
-        them); and the committed bound itself."""
+        released pages up to the plane's frontier (the plan's rows counted; the next plane's
+        too with token-sparse prefill, whose windows copy the plane's exact values into the
+        next plane for the tokens they leave out), or the committed tokens when the request
+        speculates (a rejection re-runs the positions after them); and the committed bound
+        itself. A plane's tail is read exact only by queries of its own depth (a query reads
+        the tail of its own plane, where inheritance copies live), so a wavefront prefill's
+        shallow planes give their pages back behind their own frontier, not the deepest's."""
         by_cell = {req.cell: req for req in self.running}
         scans = []
         for cell in dict.fromkeys(g.cell for g in groups):
             req = by_cell[cell]
             key = req.kv_key
-            frontier = min(self.kv.frontier(key, p) for p in range(self.num_loops))
+            frontiers = [self.kv.frontier(key, p) for p in range(self.num_loops)]
+            if self.windows is not None:
+                frontiers = [min(f, g) for f, g in zip(frontiers, frontiers[1:] + frontiers[-1:])]
             released = [self.kv.released(key, p) for p in range(self.num_loops)]
             # a speculating request's rows past its committed tokens are candidates: no group
             # holding one may seal (the serial policy); every other row is committed
             committed = len(req.prompt_ids) + len(req.output_ids) if req.speculating else ALL_COMMITTED
             # a rollback re-runs positions from the committed ones on: no earlier query than that
-            scans.append(ReleaseScan(key, cell, min(frontier, committed), released, committed))
+            scans.append(ReleaseScan(key, cell, [min(f, committed) for f in frontiers], released, committed))
         return scans
 
     def _entry_rows(self, req: Request, start: int, rows: int, new_windows: bool = True) -> int:
