@@ -549,16 +549,25 @@ def test_execution_policy_under_speculation_rolls_sealed_candidates_back(mode):
     assert all(len(got[rid][0]) == tokens for rid in prompts)
 
 
-@pytest.mark.parametrize("p, chunk", [(0, 64), (2, 64), (2, 2048)])
+LONG = torch.randint(3, 200, (600,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+@pytest.mark.parametrize("p, chunk", [(0, 64), (2, 64), (2, 2048), ("long", 2048)])
 def test_execution_policy_equals_its_reference(tiny_ckpt, p, chunk):
     """One request alone, its prompt in passes of `chunk` positions a plane, then decoding:
     its tokens and every logprob are the FlashLoop reference's with the execution policy's
     safe points (the chunk starts, then every position; `KVResidual.safe_point`), which
-    differ from the serial reference's."""
+    differ from the serial reference's. The long prompt leaves 9 full groups a plane for
+    the first decode pass to seal (more than a decode pass's own rows would look at), with
+    passes in graph buckets' shape where they fit (a bucket of 1 whose fixed candidate
+    count is too small for that pass falls back to an exact-sized one)."""
+    prompt = LONG if p == "long" else PROMPTS[p]
     engine = _engine(tiny_ckpt, policy="execution", max_num_batched_tokens=chunk)
-    tokens, logprobs = _run(engine, {"r": PROMPTS[p]}, max_tokens=12)["r"]
+    if p == "long":
+        engine.executor.runner.batches.buckets = (1, 256)
+    tokens, logprobs = _run(engine, {"r": prompt}, max_tokens=12 if p != "long" else 4)["r"]
     model, _ = load_model(tiny_ckpt, dtype=torch.float64)
-    prompt, w = PROMPTS[p], weights_of(model)
+    w = weights_of(model)
     steps = {}
     for policy in ("execution", "serial"):
         feats = FlashLoopFeatures(kv_residual=KVResidual(tail=TAIL, policy=policy, chunk=chunk))

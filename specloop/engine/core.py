@@ -162,7 +162,8 @@ class EngineCore:
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
                                       -(-self.max_model_len // config.block_size), config.block_size, device,
                                       tile_rows=self.backend.tile_rows, buckets=buckets, pad_slot=num_token_slots,
-                                      window_slots=window_slots, residual_ints=residual_ints)
+                                      window_slots=window_slots, residual_ints=residual_ints,
+                                      residual_tail=_execution_tail(config))
         runner = Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs, threshold,
                         config.seed, heads, token_sparse=sparse, residuals=residuals)
         if graphed:
@@ -546,6 +547,12 @@ def _cpu_kv_bytes() -> int:
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"{CPU_KV_ENV} must be a positive number of bytes, got {text!r}")
     return int(text)
+
+
+def _execution_tail(config: EngineConfig) -> int | None:
+    """The INT4 residuals' tail under the execution policy (None: off, or the serial policy)."""
+    group = config.kv_residual_quantization
+    return group.tail if group.enabled and group.policy == "execution" else None
 
 
 def _speculation(config: EngineConfig, num_loops: int) -> RoundController | TokenPipeline | None:

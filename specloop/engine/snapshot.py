@@ -390,6 +390,7 @@ def _restore_residual(core: "EngineCore", req: Request, res: dict[str, Any]) -> 
     store.row_maps[req.cell, :, : res["covered"]] = res["row_maps"].to(device)
     store.rows[req.cell] = res["rows"].to(device)
     store.encoded[req.cell] = res["encoded"].to(device)
+    core.executor.runner.batches.forget_backlog(req.cell)  # it may hold full groups not encoded yet
     kvm.records.adopt(key)
     for plane, pages in enumerate(res["released"]):
         kvm.release_prefix(key, plane, pages)

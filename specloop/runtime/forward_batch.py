@@ -214,11 +214,12 @@ class ResidualPass:
     depths: tuple[int, ...] = ()  # planes the pass has rows at (host: which planes may encode at all)
 
 
-def residual_candidates(rows: int, planes: int) -> int:
-    """Groups to look at per (cell, plane) of a pass whose cells hold at most `rows` rows:
-    those the rows can fill, plus room for groups waiting on the plane before (at most one
-    per plane can be pending: docs/flashloop.md)."""
-    return rows // 64 + planes + 2
+def residual_candidates(rows: int, planes: int, tail: int = 0) -> int:
+    """Groups to look at per (cell, plane) of a pass for `rows` rows that may hold full
+    groups not encoded yet: the groups they can fill, plus room for groups waiting on the
+    plane before (at most one per plane) and, under the execution policy, for those still
+    within `tail` of the pass's first query (docs/flashloop.md)."""
+    return rows // 64 + tail // 64 + planes + 2
 
 
 @dataclasses.dataclass
@@ -276,14 +277,16 @@ class ForwardBatchBuilder:
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device, tile_rows: tuple[int, int] | None = None,
                  buckets: tuple[int, ...] = (), pad_slot: int = 0, window_slots: int = 0,
-                 residual_ints: int = 0) -> None:
+                 residual_ints: int = 0, residual_tail: int | None = None) -> None:
         """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles;
         `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
         `pad_slot`: the token slot padding rows name (a sink row of the slot storage);
         `window_slots`: the most window token slots one plan's sparse prefill groups carry;
         `residual_ints`: the most integers one plan's INT4 residual records and release scans
         add (0: the format is off; on, each pass block holds its residual columns, and
-        request cell `max_seqs` is the pad cell)."""
+        request cell `max_seqs` is the pad cell); `residual_tail`: the execution policy's
+        tail (None: the serial policy), whose passes also look at the groups earlier passes
+        left full (`_backlog`)."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
         self.page_size = page_size
@@ -294,6 +297,11 @@ class ForwardBatchBuilder:
         self.max_tables = max_seqs * num_loops * max_pages_per_seq
         self.pad_table = self.max_tables  # the sink entry a graph's table buffer holds past every real one
         self.residual = residual_ints > 0
+        self.residual_tail = residual_tail
+        self.max_len = max_pages_per_seq * page_size
+        # execution policy: per request cell, each plane's rows in the last pass that ran there
+        # (groups they filled seal at a later pass, not their own)
+        self._backlog: dict[int, list[int]] = {}
         self.max_seqs = max_seqs
         self.pad_cell = max_seqs  # what padding rows and cells of a pass name (INT4 residuals)
         block = max(self._layout(b, num_loops, min(b, max_seqs)).size for b in (max_rows, *self.buckets))
@@ -330,10 +338,11 @@ class ForwardBatchBuilder:
         return self._layout(bucket, self.num_loops if adaptive_exit else 0, min(bucket, self.max_seqs))
 
     def graph_residual(self, bucket: int) -> tuple[int, tuple[int, ...]] | None:
-        """(candidates, planes) of a graphed pass's `ResidualPass`: fixed by the bucket."""
+        """(candidates, planes) of a graphed pass's `ResidualPass`: fixed by the bucket (a
+        pass that needs more runs eager)."""
         if not self.residual:
             return None
-        return residual_candidates(bucket, self.num_loops), tuple(range(self.num_loops))
+        return residual_candidates(bucket, self.num_loops, self.residual_tail or 0), tuple(range(self.num_loops))
 
     def pad_block(self, layout: PassLayout) -> torch.Tensor:
         """A block of padding rows only (what a CUDA graph is captured on)."""
@@ -396,6 +405,8 @@ class ForwardBatchBuilder:
                 head_floats.extend(_head_floats(group))
         ints = cells + slots + tokens + enter + enter_inc + head_ints + tables
         blocks = []  # (at, layout, rows, tile_rows, tiles, residual) per pass
+        if self.residual_tail is not None:
+            self._start_backlog(plan)
         for p, pass_shapes in enumerate(shapes):
             n = sum(s.rows for s in pass_shapes)
             tiles, tile_rows = self._tiles(pass_shapes)
@@ -403,7 +414,7 @@ class ForwardBatchBuilder:
             rp = self._residual_pass(ordered, p, table_at) if self.residual else None
             if rp is None:
                 layout = self._layout(bucket, len(plane_columns), 0)
-            elif self.graphed(bucket, tile_rows):  # the graph's fixed shape
+            elif self.graphed(bucket, tile_rows) and rp[2] <= self.graph_residual(bucket)[0]:  # the graph's shape
                 layout = self.graph_layout(bucket, bool(plane_columns))
                 rp = rp[:2] + self.graph_residual(bucket)
             else:
@@ -471,7 +482,32 @@ class ForwardBatchBuilder:
         plane_tables = [table_at.get((c, plane), -1) if plane >= shallowest[c] else -1
                         for c in cells for plane in range(self.num_loops)]
         depths = tuple(sorted({g.depth + p for g in ordered if g.loops > p}))
-        return cells, plane_tables, residual_candidates(max(rows.values(), default=0), self.num_loops), depths
+        most, tail = max(rows.values(), default=0), 0
+        if self.residual_tail is not None:  # the groups earlier passes left full may seal here
+            tail = self.residual_tail
+            per_plane: dict[tuple[int, int], int] = {}
+            for g in ordered:
+                if g.loops > p:
+                    per_plane[g.cell, g.depth + p] = per_plane.get((g.cell, g.depth + p), 0) + g.num_rows
+            most = max((self._backlog[c][q] + n for (c, q), n in per_plane.items()), default=0)
+            for (c, q), n in per_plane.items():
+                self._backlog[c][q] = n
+        return cells, plane_tables, residual_candidates(most, self.num_loops, tail), depths
+
+    def _start_backlog(self, plan: Plan) -> None:
+        """Before a plan's passes (execution policy): a cell whose request starts over has
+        no rows; one the builder has no history of (`forget_backlog`: restored from a
+        snapshot) may hold any number of full groups not encoded yet."""
+        for g in plan.groups:
+            if g.records is not None and g.records.fresh:
+                self._backlog[g.cell] = [0] * self.num_loops
+            elif g.cell not in self._backlog:
+                self._backlog[g.cell] = [self.max_len] * self.num_loops
+
+    def forget_backlog(self, cell: int) -> None:
+        """The cell's planes were written outside the plans (a snapshot restored into it):
+        its next pass at each plane looks at every group it may hold."""
+        self._backlog.pop(cell, None)
 
     def _residual_views(self, batch: ForwardBatch, sizes: tuple, ints: torch.Tensor, at: int) -> None:
         num_resets, num_assign, num_truncate, num_scans, span = sizes
