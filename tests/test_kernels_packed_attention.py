@@ -335,7 +335,7 @@ def _rows() -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (2, 2, 64), (4, 2, 128)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (2, 2, 64), (2, 2, 96), (4, 2, 128)])
 def test_kernel_matches_reference(dtype, heads, kv_heads, dim):
     case = _case(dim + heads, [150, 100, 80], ["mixed", "sealed", "open"], _rows(), heads, kv_heads, dim, dtype)
     assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
