@@ -414,9 +414,9 @@ class ForwardBatchBuilder:
             rp = self._residual_pass(ordered, p, table_at) if self.residual else None
             if rp is None:
                 layout = self._layout(bucket, len(plane_columns), 0)
-            elif self.graphed(bucket, tile_rows) and rp[2] <= self.graph_residual(bucket)[0]:  # the graph's shape
-                layout = self.graph_layout(bucket, bool(plane_columns))
-                rp = rp[:2] + self.graph_residual(bucket)
+            elif self.graphed(bucket, tile_rows) and rp[2] <= (fixed := self.graph_residual(bucket))[0]:
+                layout = self.graph_layout(bucket, bool(plane_columns))  # the graph's shape
+                rp = rp[:2] + fixed
             else:
                 layout = self._layout(bucket, len(plane_columns), len(rp[0]))
             blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:]))
@@ -473,26 +473,25 @@ class ForwardBatchBuilder:
         offsets (row-major, -1 below the cell's shallowest row in the pass), candidates and
         the planes it has rows at."""
         shallowest: dict[int, int] = {}
-        rows: dict[int, int] = {}
+        rows: dict[tuple[int, int], int] = {}  # per (cell, plane)
         for g in ordered:
             if g.loops > p:
                 shallowest[g.cell] = min(shallowest.get(g.cell, self.num_loops), g.depth + p)
-                rows[g.cell] = rows.get(g.cell, 0) + g.num_rows
+                rows[g.cell, g.depth + p] = rows.get((g.cell, g.depth + p), 0) + g.num_rows
         cells = list(shallowest)
         plane_tables = [table_at.get((c, plane), -1) if plane >= shallowest[c] else -1
                         for c in cells for plane in range(self.num_loops)]
-        depths = tuple(sorted({g.depth + p for g in ordered if g.loops > p}))
-        most, tail = max(rows.values(), default=0), 0
-        if self.residual_tail is not None:  # the groups earlier passes left full may seal here
-            tail = self.residual_tail
-            per_plane: dict[tuple[int, int], int] = {}
-            for g in ordered:
-                if g.loops > p:
-                    per_plane[g.cell, g.depth + p] = per_plane.get((g.cell, g.depth + p), 0) + g.num_rows
-            most = max((self._backlog[c][q] + n for (c, q), n in per_plane.items()), default=0)
-            for (c, q), n in per_plane.items():
-                self._backlog[c][q] = n
-        return cells, plane_tables, residual_candidates(most, self.num_loops, tail), depths
+        depths = tuple(sorted({q for _, q in rows}))
+        if self.residual_tail is None:  # serial: a cell's rows in the pass, whatever their planes
+            per_cell: dict[int, int] = {}
+            for (c, _), n in rows.items():
+                per_cell[c] = per_cell.get(c, 0) + n
+            return cells, plane_tables, residual_candidates(max(per_cell.values(), default=0), self.num_loops), depths
+        # execution: the groups the previous pass at each plane left full may seal here
+        most = max((self._backlog[c][q] + n for (c, q), n in rows.items()), default=0)
+        for (c, q), n in rows.items():
+            self._backlog[c][q] = n
+        return cells, plane_tables, residual_candidates(most, self.num_loops, self.residual_tail), depths
 
     def _start_backlog(self, plan: Plan) -> None:
         """Before a plan's passes (execution policy): a cell whose request starts over has
