@@ -292,6 +292,46 @@ def test_shallow_planes_release_behind_their_own_frontier(tiny_ckpt, refs, spars
     _check(tiny_ckpt, refs, got, [0], sparse=sparse)
 
 
+@pytest.mark.parametrize("rows, sparse, inflight", [(13, False, 2), (8, False, 3), (13, True, 2), (13, False, 1)])
+def test_a_lone_request_runs_in_the_pages_admission_counts(tiny_ckpt, refs, rows, sparse, inflight):
+    """Admission counts a request's pages at once (`KVManager.pages_at_once`: its tail and
+    wavefront span per plane), not every position it covers: in a pool of exactly that many
+    pages, fewer than the request covers, the longest prompt runs alone with no preemption
+    (a bound too small would preempt it forever) and emits the reference's tokens."""
+    kw = {"sparse": sparse, "max_num_batched_tokens": rows, "max_inflight_tickets": inflight}
+    total = len(PROMPTS[2]) + MAX_TOKENS
+    pages = _engine(tiny_ckpt, **kw).kv.pages_at_once(total)
+    engine = _engine(tiny_ckpt, num_kv_pages=pages, **kw)
+    assert pages < engine.kv.pages_for(total)
+    assert engine.kv.fits_ever(total, len(PROMPTS[2]))
+    peak = []
+
+    def look(e: EngineCore) -> None:
+        assert e.scheduler.num_preemptions == 0, "the lone request did not fit the pages admission counted"
+        peak.append(e.kv.num_pages - e.kv.num_free_pages)
+
+    got = _run(engine, {"r2": PROMPTS[2]}, each_step=look)
+    assert 0 < max(peak) <= pages
+    _check(tiny_ckpt, refs, got, [2], sparse=sparse)
+
+
+def test_admission_refuses_what_cannot_run_alone(tiny_ckpt):
+    """A request whose pages at once exceed the pool, or whose records exceed the record
+    pool, is refused with the count, not admitted to preempt itself forever."""
+    from specloop.errors import InvalidRequestError
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=13)
+    total = len(PROMPTS[2]) + MAX_TOKENS
+    small = _engine(tiny_ckpt, max_num_batched_tokens=13, num_kv_pages=engine.kv.pages_at_once(total) - 1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="KV pages at once"):
+        small.add_request("r", PROMPTS[2], params)
+    records = engine.kv.records  # pages to spare, one record short of the request's groups
+    records.allocator = type(records.allocator)(records.records_for(None, total, len(PROMPTS[2])) - 1)
+    with pytest.raises(InvalidRequestError, match="residual records"):
+        engine.add_request("r", PROMPTS[2], params)
+    assert not engine.has_unfinished()
+
+
 def test_byte_budget_split_and_stats(tiny_ckpt):
     """A byte budget splits into BF16 pages (tail_share) and records (the rest); stats count
     both, per request and in total, and everything returns at the end."""

@@ -203,15 +203,18 @@ class EngineCore:
         planes, seqs = mcfg.num_loops, cfg.max_num_seqs
         record_bytes = PackedResiduals.record_bytes(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
         if cfg.num_kv_pages is not None:
-            # pages run out before records do: each plane of each request takes one record per
-            # 64 positions its pages cover, and a request's last record may cover less
-            num_records = -(-num_pages * cfg.block_size // RECORD_ROWS) + planes * seqs
+            # a record per 64 positions the pages cover (a request's last one may cover less),
+            # and at least one request's at the context length (its pages go back behind its
+            # tail, its records stay)
+            num_records = max(-(-num_pages * cfg.block_size // RECORD_ROWS) + planes * seqs,
+                              planes * (-(-self.max_model_len // RECORD_ROWS) + 1))
         else:  # the rest of the byte budget, after the BF16 pages' share
             num_records = int(self._kv_budget(device) * (1 - group.tail_share)) // record_bytes
         store = PackedResiduals(mcfg.num_hidden_layers, num_records, seqs, planes, self.max_model_len,
                                 mcfg.num_key_value_heads, mcfg.head_dim, group.tail, self.model.dtype, device,
                                 group.policy)
         self.kv.records = ResidualRecords(planes, num_records, record_bytes, cfg.token_sparse_prefill)
+        self.kv.span_limit = _residual_span(cfg, planes, speculation)
         groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
         ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs  # resets, records, truncates, scans
         return store, ints
@@ -287,10 +290,15 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"length of {self.max_model_len} tokens", param="prompt")
-        if not self.kv.fits_ever(total):
+        if not self.kv.fits_ever(total, len(ids)):
+            records = self.kv.records
+            if self.kv.pages_at_once(total) <= self.kv.num_pages and records is not None:
+                raise InvalidRequestError(
+                    f"prompt plus max_tokens ({total} tokens) needs {records.records_for(None, total, len(ids))} "
+                    f"INT4 residual records but the cache has {records.num_records}", param="max_tokens")
             raise InvalidRequestError(
-                f"prompt plus max_tokens ({total} tokens) needs {self.kv.pages_for(total)} KV pages but the "
-                f"cache has {self.kv.num_pages}", param="max_tokens")
+                f"prompt plus max_tokens ({total} tokens) needs {self.kv.pages_at_once(total)} KV pages at once "
+                f"but the cache has {self.kv.num_pages}", param="max_tokens")
         vocab = self.model.config.vocab_size
         if params.top_k > vocab:
             raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab} (or -1 / 0 to disable), "
@@ -553,6 +561,27 @@ def _execution_tail(config: EngineConfig) -> int | None:
     """The INT4 residuals' tail under the execution policy (None: off, or the serial policy)."""
     group = config.kv_residual_quantization
     return group.tail if group.enabled and group.policy == "execution" else None
+
+
+def _residual_span(config: EngineConfig, num_loops: int, speculation: Any) -> int:
+    """The most positions of one plane a request holds BF16 pages for at once with INT4
+    residuals (`KVManager.span_limit`), tested by tests/test_kv_residual_engine.py.
+
+    A plane's pages go back behind its release frontier less the tail and up to two groups
+    (the one the frontier is in, one not sealed yet). A prompt grows its tables to its
+    depth-0 frontier plus one plan's rows, and the deepest plane trails depth 0 by one
+    plan's rows in a wavefront (a token-sparse depth by one window more, as it waits for
+    whole windows); the tickets in flight delay releases by a plan each past the second.
+    Speculation runs at most (tickets in flight + 1) x rows per request past the committed
+    tokens, behind which it releases."""
+    rows, inflight = config.max_num_batched_tokens, config.max_inflight_tickets
+    span = max(2, inflight) * rows + config.kv_residual_quantization.tail + 2 * RECORD_ROWS
+    sparse = config.token_sparse_prefill
+    if sparse.active:
+        span += (num_loops - 1) * sparse.window
+    if speculation is not None:
+        span += (inflight + 1) * speculation.rows_per_request
+    return span
 
 
 def _speculation(config: EngineConfig, num_loops: int) -> RoundController | TokenPipeline | None:

@@ -172,6 +172,9 @@ class KVManager:
         # INT4 residual group records (`kv_residual_quantization`), kept alongside the pages:
         # set by the engine; its pool is sized so that pages run out first.
         self.records: ResidualRecords | None = None
+        # INT4 residuals: the most positions of one plane a request holds BF16 pages for at
+        # once (its tail and the wavefront's span; set by the engine), None: every position.
+        self.span_limit: int | None = None
         self.sink_page = num_pages  # the page the KV storage keeps past the pool (written by padding rows, never read)
 
     # ----- capacity -----
@@ -217,9 +220,22 @@ class KVManager:
     def can_admit(self, reserve_tokens: int) -> bool:
         return self.pages_for(reserve_tokens) <= self.num_available_pages
 
-    def fits_ever(self, reserve_tokens: int) -> bool:
-        """Whether the request could be admitted into an otherwise empty pool."""
-        return self.pages_for(reserve_tokens) <= self.num_pages
+    def pages_at_once(self, num_tokens: int) -> int:
+        """The most pages a request covering `num_tokens` positions holds at one time: all
+        of them, or with INT4 residuals (`span_limit`) those of its span in every plane (a
+        span not aligned to pages touches one page more)."""
+        full = self.pages_for(num_tokens)
+        if self.span_limit is None:
+            return full
+        return min(full, self.num_planes * (_ceil_div(self.span_limit, self.block_size) + 1))
+
+    def fits_ever(self, reserve_tokens: int, prompt_len: int = 0) -> bool:
+        """Whether the request could run alone in an otherwise empty pool: its pages at once
+        and, with INT4 residuals, the records it keeps for all its groups."""
+        if self.pages_at_once(reserve_tokens) > self.num_pages:
+            return False
+        records = self.records
+        return records is None or records.records_for(None, reserve_tokens, prompt_len) <= records.num_records
 
     # ----- request lifecycle -----
 
