@@ -571,14 +571,14 @@ def _residual_span(config: EngineConfig, num_loops: int, speculation: Any) -> in
     (the one the frontier is in, one not sealed yet). A prompt grows its tables to its
     depth-0 frontier plus one plan's rows, and the deepest plane trails depth 0 by one
     plan's rows in a wavefront (a token-sparse depth by one window more, as it waits for
-    whole windows); the tickets in flight delay releases by a plan each past the second.
+    whole windows, and its groups of rows span more positions); the tickets in flight delay releases by a plan each past the second.
     Speculation runs at most (tickets in flight + 1) x rows per request past the committed
     tokens, behind which it releases."""
     rows, inflight = config.max_num_batched_tokens, config.max_inflight_tickets
     span = max(2, inflight) * rows + config.kv_residual_quantization.tail + 2 * RECORD_ROWS
     sparse = config.token_sparse_prefill
-    if sparse.active:
-        span += (num_loops - 1) * sparse.window
+    if sparse.active:  # and a sparse plane's group of 64 rows spans up to 64 / retention prompt positions
+        span += (num_loops - 1) * sparse.window + math.ceil(RECORD_ROWS / min(sparse.retention))
     if speculation is not None:
         span += (inflight + 1) * speculation.rows_per_request
     return span
