@@ -10,7 +10,8 @@
 # out/stdlib_tokens.npz); PART=residual the INT4 residual kernels' and engine's GPU tests
 # (graph replay and no-sync included); PART=residual-bench bench/profile_kv_residual.py with
 # graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
-# PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K). Unset: tests,
+# PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
+# bench/packed_reader_sweep.py (the packed reader's block_n, splits, warps). Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -49,6 +50,12 @@ if [ "$PART" = residual-bench ]; then  # CUDA graphs on both sides
     --out "$OUT/profile_kv_residual_graphs_h200.json"
   TAIL=20 step 420 python bench/kv_residual.py --model /tmp/ouro14 --out "$OUT/kv_residual_decode_h200.json" \
     --parts decode --lengths 8192,32768 --decode-tokens 32 --concurrent 128 --concurrent-prompt 1024
+  exit 0
+fi
+if [ "$PART" = reader-sweep ]; then  # the packed reader alone against the BF16 kernel, batch 1 and 32
+  TAIL=80 step 300 python bench/packed_reader_sweep.py --out "$OUT/packed_reader_sweep_h200.json"
+  TAIL=30 step 200 python bench/packed_reader_sweep.py --batch 32 --lengths 1024 --splits engine,8 \
+    --out "$OUT/packed_reader_sweep_b32_h200.json"
   exit 0
 fi
 if [ "$PART" = residual-capacity ]; then

@@ -500,7 +500,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
                             position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
                             tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
-                            block_n: int = 32, out: torch.Tensor | None = None,
+                            block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
     combine when split; no host sync (tiles are not checked against the rows: the reference
@@ -537,7 +537,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
         BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLITS=num_splits,
         DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
-        enable_fp_fusion=False, **common,
+        enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}), **common,
     )
     if num_splits > 1:
         _combine_kernel[(num_tiles * tile_rows, num_heads)](
