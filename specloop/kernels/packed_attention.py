@@ -80,9 +80,11 @@ truncates); see ../shared/docs/gpu.md and `int4_groups`.
 
 Not done yet: the M padding to 16 wastes most of a one-row (decode) program's tensor-core
 tile; the row maps are read twice per block (seal, then decode); a straddling block pays two
-QK and two PV products; and the kernel has not been run or timed on CUDA (only under the
-interpreter so far), tiles included: register pressure at M = 64 with four gathered tiles
-live in a straddling block, and num_warps / block_n for it, are untuned. Not checked on the
+QK and two PV products; block_n, splits and num_warps are untuned (the engine passes
+block_n 32 and `choose_splits`, made for the BF16 kernel; on the H200 a decode row costs
+~1 us a key per program at 32K, latency bound: bench/packed_reader_sweep.py times the
+choices), and register pressure at M = 64 with four gathered tiles live in a straddling
+block is unmeasured. Not checked on the
 device (no host sync in `packed_attention_triton`): depth < P, positions < MAXLEN, that a
 key read reconstructed has a plane-0 row and every row it reads a record, and that tiles
 hold at most tile_rows rows of one cell, depth and table offset, each row in at most one
