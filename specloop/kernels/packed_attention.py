@@ -49,9 +49,10 @@ with `where`, so NaN in storage a row does not read cannot reach it.
 Kernel: a program per (tile, KV head, split). Its M dimension is (row of the tile, query
 head of the KV head), tile_rows x GQA padded to a power of two >= 16 for `tl.dot`; it runs
 a flash-style online softmax over key blocks of `block_n` keys up to the tile's last
-position. Per block, the row maps and group tables of planes 0..d (a loop over the P
-planes, P a constexpr, each plane behind a branch on p <= d that is the same for the whole
-program) give every key's seal once (`_key_seals`); per (query i, key j) the pair is seen
+position. Per block, the row maps and group tables of planes 0..d are gathered once
+(`_block_rows`: four planes unrolled, those past P or the depth masked off without a load)
+and serve both the seals and the decode; they give every key's seal (`_key_seals`); per
+(query i, key j) the pair is seen
 when j <= q_i and sealed when also q_i >= s_j. Keys some pair reads sealed are decoded
 plane by plane (`_reconstructed`: codes, scale and lo loaded only for them; a plane whose
 keys in the block all lie in one record loads that record's K scale and minimum once, [D],
@@ -79,7 +80,7 @@ dot is wrong) and rounding to bf16 is done by hand on the bits (its fp32 -> bf16
 truncates); see ../shared/docs/gpu.md and `int4_groups`.
 
 Not done yet: the M padding to 16 wastes most of a one-row (decode) program's tensor-core
-tile; the row maps are read twice per block (seal, then decode); a straddling block pays two
+tile; a straddling block pays two
 QK and two PV products; block_n, splits and num_warps are untuned (the engine passes
 block_n 32 and `choose_splits`, made for the BF16 kernel; on the H200 a decode row costs
 ~1 us a key per program at 32K, latency bound: bench/packed_reader_sweep.py times the
@@ -136,44 +137,56 @@ class PackedKV:
 # --- Triton ---------------------------------------------------------------------------
 
 @triton.jit
-def _key_seals(
-    j, j_ok, cell, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES: tl.constexpr,
-):
-    """Seal [BLOCK_N] of keys j (where j_ok; NEVER elsewhere): the seal of the record holding
-    each key's deepest row at a plane <= depth."""
-    base = cell * PLANES  # (cell, plane 0) of the tables
-    seal = tl.zeros_like(j) + 2147483647
-    for p in tl.static_range(PLANES):
-        if depth >= p:  # the same for the whole program: planes past the depth are not read
-            r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=j_ok, other=-1)
-            has = r >= 0
-            rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(has, r, 0) // 64, mask=has, other=-1)
-            s = tl.load(seal_ptr + tl.where(rec >= 0, rec, 0), mask=has & (rec >= 0), other=2147483647)
-            seal = tl.where(has, s, seal)
-    return seal
+def _plane_rows(j, j_ok, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, p: tl.constexpr,
+                PLANES: tl.constexpr):
+    """Compact row and record [BLOCK_N] of keys j at plane p (-1: no row, or no record for
+    it; p past the depth or the planes: -1 without a load), gathered once a block for both
+    the seals and the decode."""
+    if p < PLANES:
+        on = j_ok & (tl.zeros_like(j) + depth >= p)  # (a scalar in a vector mask fails under the interpreter)
+        r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=on, other=-1)
+        rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(r >= 0, r, 0) // 64, mask=r >= 0,
+                      other=-1)
+    else:
+        r = tl.zeros_like(j) - 1
+        rec = tl.zeros_like(j) - 1
+    return r, rec
 
 
 @triton.jit
-def _reconstructed(
-    j, recon, cell, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-    group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
-    DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+def _deeper_seal(seal, r, rec, seal_ptr):
+    """The seal where a plane has a row (the record's, NEVER when the row has no record),
+    `seal` (the planes before) elsewhere: applied plane by plane, the deepest row's."""
+    has = r >= 0
+    s = tl.load(seal_ptr + tl.where(rec >= 0, rec, 0), mask=has & (rec >= 0), other=2147483647)
+    return tl.where(has, s, seal)
+
+
+@triton.jit
+def _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3):
+    """Seal [BLOCK_N] of keys j: the seal of the record holding each key's deepest row at a
+    plane <= depth (NEVER for keys with no row: masked keys, from `_plane_rows`)."""
+    seal = tl.zeros_like(j) + 2147483647
+    seal = _deeper_seal(seal, r0, c0, seal_ptr)
+    seal = _deeper_seal(seal, r1, c1, seal_ptr)
+    seal = _deeper_seal(seal, r2, c2, seal_ptr)
+    return _deeper_seal(seal, r3, c3, seal_ptr)
+
+
+@triton.jit
+def _plane_decode(
+    k, v, r, rec, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+    num_kv_heads, p: tl.constexpr, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
-    """K and V [BLOCK_N, BLOCK_D] of keys j reconstructed at `depth` where `recon`, fp32
-    holding DTYPE values, 0 elsewhere: plane 0's decode plus the residual of each plane
-    1..depth with a row (codes, scale and lo loaded only for those keys)."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    base = cell * PLANES
-    k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for p in tl.static_range(PLANES):
-        if depth >= p:
-            r = tl.load(row_maps_ptr + (base + p) * max_len + j, mask=recon, other=-1)
-            rec = tl.load(group_tables_ptr + (base + p) * max_groups + tl.where(r >= 0, r, 0) // 64,
-                          mask=r >= 0, other=-1)
-            use = (r >= 0) & (rec >= 0)
+    """k, v with plane p's decode applied for keys with a row and a record there where
+    `recon`: plane 0's decode, or the residual added and rounded (codes, scale and lo
+    loaded only for those keys)."""
+    if p < PLANES:
+        if depth >= p:  # the same for the whole program: planes past the depth are not read
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            use = recon & (r >= 0) & (rec >= 0)
             row = tl.where(use, r % 64, 0)
             rec = tl.where(use, rec, 0).to(tl.int64)
             ok = use[:, None] & d_ok[None, :]
@@ -217,6 +230,44 @@ def _reconstructed(
 
 
 @triton.jit
+def _reconstructed(
+    recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
+    r0, c0, r1, c1, r2, c2, r3, c3,
+    DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    """K and V [BLOCK_N, BLOCK_D] of the block's keys reconstructed at `depth` where `recon`,
+    fp32 holding DTYPE values, 0 elsewhere: plane 0's decode plus the residual of each plane
+    1..depth with a row (rows and records from `_plane_rows`)."""
+    k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    k, v = _plane_decode(k, v, r0, c0, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                         v_scale_ptr, v_lo_ptr, num_kv_heads, 0, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
+                         BF16_BY_HAND)
+    k, v = _plane_decode(k, v, r1, c1, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                         v_scale_ptr, v_lo_ptr, num_kv_heads, 1, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
+                         BF16_BY_HAND)
+    k, v = _plane_decode(k, v, r2, c2, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                         v_scale_ptr, v_lo_ptr, num_kv_heads, 2, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
+                         BF16_BY_HAND)
+    k, v = _plane_decode(k, v, r3, c3, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                         v_scale_ptr, v_lo_ptr, num_kv_heads, 3, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
+                         BF16_BY_HAND)
+    return k, v
+
+
+@triton.jit
+def _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES: tl.constexpr):
+    """Rows and records of the block's keys at planes 0..3 (`_plane_rows`)."""
+    base = cell * PLANES  # (cell, plane 0) of the tables
+    r0, c0 = _plane_rows(j, j_ok, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 0, PLANES)
+    r1, c1 = _plane_rows(j, j_ok, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 1, PLANES)
+    r2, c2 = _plane_rows(j, j_ok, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 2, PLANES)
+    r3, c3 = _plane_rows(j, j_ok, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 3, PLANES)
+    return r0, c0, r1, c1, r2, c2, r3, c3
+
+
+@triton.jit
 def _exact(
     j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -243,16 +294,17 @@ def _key_block(
 ):
     """K and V [BLOCK_N, BLOCK_D] of keys j (where j_ok) as one row at `pos` reads them: fp32
     holding DT values, 0 elsewhere (the attention kernel's gather for a one-row tile)."""
-    seal = _key_seals(j, j_ok, cell, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES)
+    r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr, max_groups,
+                                                 max_len, PLANES)
+    seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
     recon = j_ok & (pos >= seal)
     exact = j_ok & (pos < seal)
     k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if tl.max(recon.to(tl.int32), axis=0) > 0:  # a block of exact keys skips the decode
-        k, v = _reconstructed(j, recon, cell, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                              v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups,
-                              max_len, k_tail_ptr.dtype.element_ty, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                              BF16_BY_HAND)
+        k, v = _reconstructed(recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
+                              v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3, k_tail_ptr.dtype.element_ty,
+                              HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
     k_exact, v_exact = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh,
                               stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
     k = tl.where(recon[:, None], k, k_exact.to(tl.float32))
@@ -323,8 +375,9 @@ def _attention_kernel(
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
-            seal = _key_seals(j, j_ok, cell, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                              PLANES)
+            r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
+                                                         max_groups, max_len, PLANES)
+            seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
             # per (query, key): seen by causality, then read reconstructed (sealed) or exact
             seen = j_ok[None, :] & (j[None, :] <= pos[:, None])
             sealed = seen & (pos[:, None] >= seal[None, :])
@@ -333,10 +386,9 @@ def _attention_kernel(
             k_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
             v_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
             if tl.max(recon.to(tl.int32), axis=0) > 0:  # no decode in a block of exact keys
-                kr, vr = _reconstructed(j, recon, cell, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr,
-                                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
-                                        num_kv_heads, max_groups, max_len, dtype, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                        PLANES, V_GROUPS, BF16_BY_HAND)
+                kr, vr = _reconstructed(recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                                        v_scale_ptr, v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3, dtype,
+                                        HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
                 k_hat = kr.to(DOT_DTYPE)  # exact: kr holds DT values
                 v_hat = vr.to(DOT_DTYPE)
             k_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
