@@ -11,7 +11,8 @@
 # (graph replay and no-sync included); PART=residual-bench bench/profile_kv_residual.py with
 # graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
-# bench/packed_reader_sweep.py (the packed reader's block_n, splits, warps). Unset: tests,
+# bench/packed_reader_sweep.py (the packed reader's block_n, splits, warps); PART=residual-quick
+# the packed reader's kernel tests and its engine and graph-replay tests only. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -35,6 +36,12 @@ if [ "$PART" = flashloop ]; then
   TAIL=8 step 150 python -m pytest -q -rf --tb=short tests/test_token_sparse_prefill.py tests/test_cuda_no_sync.py
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
   TAIL=20 step 330 python bench/sparse_prefill.py --model /tmp/ouro14 --out "$OUT/sparse_prefill_h200.json"
+  exit 0
+fi
+if [ "$PART" = residual-quick ]; then  # after a packed-reader change: its kernel, engine and graph tests
+  TAIL=12 step 200 python -m pytest -q -rf --tb=short tests/test_kernels_packed_attention.py
+  TAIL=12 step 200 python -m pytest -q -rf --tb=short tests/test_kv_residual_engine.py tests/test_cuda_graphs.py \
+    -k "cuda or int4"
   exit 0
 fi
 if [ "$PART" = residual ]; then
