@@ -456,3 +456,24 @@ def test_random_operations_keep_the_invariants(planes, block_size, seed):
         for rid, tables in others.items():
             if rid != target:
                 assert [kv.page_table(rid, p) for p in range(planes)] == tables
+
+
+def test_add_restored_takes_pages_only_past_the_given_back_ones():
+    """A restore covering 5 pages a plane with 3, 0, 5 and 1 leading pages given back takes
+    11 pages, shows the given-back entries as the sink page, and truncate / free return
+    exactly the pages it took (an OutOfPages refusal changes nothing)."""
+    kv = KVManager(num_planes=4, block_size=4, num_pages=12, page_bytes=1)
+    with pytest.raises(OutOfPages):
+        KVManager(num_planes=4, block_size=4, num_pages=10, page_bytes=1).add_restored("r", 5, [3, 0, 5, 1])
+    kv.add_restored("r", 5, [3, 0, 5, 1])
+    assert kv.held_pages("r") == 11 and kv.num_free_pages == 1 and kv.coverage("r") == 20
+    assert [kv.released("r", p) for p in range(4)] == [3, 0, 5, 1]
+    assert kv.page_table("r", 2) == [kv.sink_page] * 5 and kv.page_table("r", 0)[:3] == [kv.sink_page] * 3
+    taken = {page for p in range(4) for page in kv.page_table("r", p) if page != kv.sink_page}
+    assert len(taken) == 11 and taken <= set(range(12))
+    kv.truncate("r", 8)  # 2 pages a plane kept: planes 0, 1 and 3 give back 2, 3 and 3 of theirs
+    assert kv.held_pages("r") == 2 + 1 and kv.num_free_pages == 9
+    kv.free("r")
+    assert kv.num_free_pages == 12 and sorted(kv.allocator.free_list()) == list(range(12))
+    with pytest.raises(ValueError):
+        kv.add_restored("s", 2, [3, 0, 0, 0])

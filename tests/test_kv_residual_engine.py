@@ -405,6 +405,41 @@ def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps, sparse):
     assert fresh.kv.num_free_pages == fresh.kv.num_pages and fresh.kv.records.num_free == fresh.kv.records.num_records
 
 
+def test_a_restore_takes_only_the_pages_not_given_back(tiny_ckpt, refs):
+    """A snapshot of a decoding request whose tail pages went back holds only its other
+    pages, and its restore takes only those: it restores into a pool smaller than the pages
+    its positions cover (before, it needed them all, so a swapped-out long request could
+    never come back) and finishes with the reference's tokens."""
+    from specloop.engine.snapshot import RequestSnapshot
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+    engine.add_request("r2", PROMPTS[2], params)
+    got: dict[str, tuple[list[int], list[float]]] = {}
+
+    def collect(outs):
+        for o in outs:
+            assert o.error is None, o.error
+            tokens, logprobs = got.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+
+    while not got:  # through the prompt: its groups sealed and tail pages went back
+        collect(engine.step())
+    snap = RequestSnapshot.from_bytes(engine.snapshot("r2").to_bytes())
+    collect(engine.step())
+    kv = snap.data["kv"]
+    held = sum(kv["pages_per_plane"] - r for r in kv["released"])
+    assert held < kv["pages_per_plane"] * 4, "tail pages went back before the snapshot"
+    assert [k.shape[1] for k in kv["k"]] == [(kv["pages_per_plane"] - r) * 8 for r in kv["released"]]
+    small = _engine(tiny_ckpt, max_num_batched_tokens=64, num_kv_pages=held + 4)
+    assert small.kv.num_pages < kv["pages_per_plane"] * 4
+    small.restore(snap)
+    while small.has_unfinished():
+        collect(small.step())
+    _check(tiny_ckpt, refs, got, [2])
+    assert small.kv.num_free_pages == small.kv.num_pages
+
+
 def test_swap_preemption_carries_the_packed_planes(tiny_ckpt, refs):
     """preemption_mode swap in a pool too small for all three: swapped-out requests come back
     through snapshots of their packed planes and still emit the reference's tokens."""

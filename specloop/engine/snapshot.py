@@ -14,10 +14,12 @@ weights-only unpickler, so a snapshot file cannot run code):
   draws, incarnation, scheduling counters, committed outputs, replay, a prompt window's
   rows planned so far when token-sparse prefill split it) and the speculation
   controller's state (a round or a pipeline mid-flight), with token slots by position;
-- `kv`: every page the request holds, per plane, in its stored format, with the frontiers;
+- `kv`: every page the request holds, per plane, in its stored format, with the frontiers
+  and how many leading pages each plane gave back (INT4 residuals: those positions read
+  their packed groups, so neither the snapshot nor the restore holds a page for them);
 - `residual` (kv_residual_quantization): its cell's compact row maps, row and encoded
   counts per plane, its records' contents (codes, FP16 parameters, row positions, seals)
-  in group order, and how many leading tail pages per plane were given back;
+  in group order;
 - `slots`: the contents of its live token slots (hidden, exit state, depth, candidate,
   and for token-sparse prefill the previous hidden state and the selection mark),
   by position, and how many slots its round holds for rows not drafted yet;
@@ -54,9 +56,10 @@ if TYPE_CHECKING:
     from specloop.scheduling.residual_records import ResidualRecords
 
 FORMAT = "specloop.request-snapshot"
-VERSION = 4  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
+VERSION = 5  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
 # 3: INT4 residual planes (records, compact row maps, counters, released tail pages);
-# 4: residual records counted per plane (token-sparse planes hold fewer)
+# 4: residual records counted per plane (token-sparse planes hold fewer);
+# 5: `kv` holds only the pages not given back, per plane (a list), and how many were
 SLOT_FIELDS = SlotStorage.CARRIED
 
 
@@ -187,12 +190,16 @@ def _capture_round(state: Any) -> dict[str, Any] | None:
 
 def _capture_kv(core: "EngineCore", req: Request) -> dict[str, Any]:
     store, kvm = core.executor.runner.backend.kv, core.kv
-    rows = [_page_rows(kvm.page_table(req.kv_key, p), store.page_size, store.k.device) for p in range(kvm.num_planes)]
+    planes = range(kvm.num_planes)
+    released = [kvm.released(req.kv_key, p) for p in planes]
+    rows = [_page_rows(kvm.page_table(req.kv_key, p)[r:], store.page_size, store.k.device)
+            for p, r in zip(planes, released)]
     return {
-        "frontiers": [kvm.frontier(req.kv_key, p) for p in range(kvm.num_planes)],
+        "frontiers": [kvm.frontier(req.kv_key, p) for p in planes],
         "pages_per_plane": len(kvm.page_table(req.kv_key, 0)),
-        "k": torch.stack([store.k[:, r] for r in rows]).cpu(),  # [planes, layers, pages * page_size, Hkv, D]
-        "v": torch.stack([store.v[:, r] for r in rows]).cpu(),
+        "released": released,
+        "k": [store.k[:, r].cpu() for r in rows],  # per plane [layers, (pages - released) * page_size, Hkv, D]
+        "v": [store.v[:, r].cpu() for r in rows],
     }
 
 
@@ -218,8 +225,7 @@ def _capture_residual(core: "EngineCore", req: Request) -> dict[str, Any]:
     out |= {name: getattr(store, name)[:, rows].cpu() for name in ROW_FIELDS}
     out |= {"groups_per_plane": [len(t) for t in tables], "covered": covered, "seal": store.seal[ids].cpu(),
             "row_pos": store.row_pos[ids].cpu(), "row_maps": store.row_maps[cell, :, :covered].cpu(),
-            "rows": store.rows[cell].cpu(), "encoded": store.encoded[cell].cpu(),
-            "released": [kvm.released(key, p) for p in range(kvm.num_planes)]}
+            "rows": store.rows[cell].cpu(), "encoded": store.encoded[cell].cpu()}
     return out
 
 
@@ -284,7 +290,7 @@ def check(core: "EngineCore", snap: RequestSnapshot, replacing: Request | None =
     if data["kv"] is None:
         return
     sched, kvm = core.scheduler, core.kv
-    pages = data["kv"]["pages_per_plane"] * kvm.num_planes
+    pages = sum(data["kv"]["pages_per_plane"] - r for r in data["kv"]["released"])
     held = data["request"]["round"] or {}
     spare = (held.get("slots") or 0) if held.get("kind") == "round" else 0
     slots = len(data["request"]["live_positions"]) + spare
@@ -359,18 +365,17 @@ def _restore_round(state: dict[str, Any] | None, spare: list[int] | None) -> Any
 
 def _restore_kv(core: "EngineCore", req: Request, kv: dict[str, Any]) -> None:
     store, kvm = core.executor.runner.backend.kv, core.kv
-    kvm.add_request(req.kv_key, prompt_len=len(req.prompt_ids))
-    kvm.ensure(req.kv_key, kv["pages_per_plane"] * kvm.block_size)
+    kvm.add_restored(req.kv_key, kv["pages_per_plane"], kv["released"], prompt_len=len(req.prompt_ids))
     for plane, frontier in enumerate(kv["frontiers"]):
         kvm.advance(req.kv_key, plane, frontier)
-        rows = _page_rows(kvm.page_table(req.kv_key, plane), store.page_size, store.k.device)
+        rows = _page_rows(kvm.page_table(req.kv_key, plane)[kv["released"][plane]:], store.page_size, store.k.device)
         store.k[:, rows] = kv["k"][plane].to(store.k.device)
         store.v[:, rows] = kv["v"][plane].to(store.v.device)
 
 
 def _restore_residual(core: "EngineCore", req: Request, res: dict[str, Any]) -> None:
     """Write the INT4 residual planes into the records `_restore_kv` took and the request's
-    cell; then give back the tail pages the snapshot had given back."""
+    cell (its given-back tail pages were never taken)."""
     store, kvm = core.executor.runner.residuals, core.kv
     key, device = req.kv_key, store.seal.device
     tables = kvm.records.tables(key)
@@ -392,8 +397,6 @@ def _restore_residual(core: "EngineCore", req: Request, res: dict[str, Any]) -> 
     store.encoded[req.cell] = res["encoded"].to(device)
     core.executor.runner.batches.forget_backlog(req.cell)  # it may hold full groups not encoded yet
     kvm.records.adopt(key)
-    for plane, pages in enumerate(res["released"]):
-        kvm.release_prefix(key, plane, pages)
 
 
 def _restore_slots(core: "EngineCore", req: Request, live: list[int], slots: dict[str, torch.Tensor]) -> None:

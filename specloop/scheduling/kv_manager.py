@@ -259,6 +259,29 @@ class KVManager:
         if self.records is not None:
             self.records.add(rid, prompt_len)
 
+    def add_restored(self, rid: str, pages_per_plane: int, released: list[int], prompt_len: int = 0) -> None:
+        """Admit `rid` (a snapshot restore) covering `pages_per_plane` pages a plane, of
+        which plane p's leading `released[p]` were given back (INT4 residuals): pages only
+        for the others, the given-back entries `sink_page`, and records for the coverage.
+        All or nothing."""
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} already has KV state")
+        if len(released) != self.num_planes or not all(0 <= r <= pages_per_plane for r in released):
+            raise ValueError(f"released {released} must give 0..{pages_per_plane} pages for each of "
+                             f"{self.num_planes} planes")
+        need = sum(pages_per_plane - r for r in released)
+        if need > self.num_available_pages:
+            raise OutOfPages(f"request {rid!r} needs {need} KV pages but only {self.num_available_pages} are unreserved.")
+        covered = pages_per_plane * self.block_size
+        if self.records is not None:
+            if self.records.records_for(None, covered, prompt_len) > self.records.num_free:
+                raise OutOfPages(f"request {rid!r}: not enough free INT4 residual records")
+            self.records.add(rid, prompt_len)
+            self.records.ensure(rid, covered)
+        pages = iter(self.allocator.allocate(need))
+        tables = [[self.sink_page] * r + [next(pages) for _ in range(pages_per_plane - r)] for r in released]
+        self._requests[rid] = _RequestKV(0, tables, [0] * self.num_planes, list(released))
+
     def pages_to_cover(self, rid: str, num_tokens: int) -> int:
         """Pages `ensure(rid, num_tokens)` would allocate (0 when already covered)."""
         return max(0, _ceil_div(num_tokens, self.block_size) - self._get(rid).pages_per_plane) * self.num_planes
