@@ -73,10 +73,13 @@ row's depth-r page table, runs an online softmax over them and writes
 O_ref - C_ref + m * sum p V_r in DT. The loops of (3) and (4) stop at the row's count, so
 they cost b keys, not capacity.
 
-The scratch (scores, P and the int64 rank keys: 16 bytes per row, head and key of L, plus
+Cost. o_ref comes from the same single pass over K/V that writes the scores (an online
+softmax, as `paged_attention` does it, without split-KV), so loop 2 reads K/V once. The
+scratch (scores, P and the int64 rank keys: 16 bytes per row, query head and key of L, plus
 lse) is allocated per call and dropped after it: it is not kept between loops and not
-sized for CUDA graphs yet. The topk reads all of it, O(N Hq L), about as many bytes as the
-loop-2 attention reads for K at D = 64 in bf16; the selection is not fused into the kernel.
+sized for CUDA graphs yet. Selection touches all of it, O(N Hq L) (a few passes of 4 to 8
+bytes per query head and key, against 4 D bytes of bf16 K and V per KV head and key for
+the attention itself); it is not fused into the kernel.
 
 Precision. Scores, softmax statistics, o_ref, m, C_ref and the correction's softmax and sums
 are fp32. QK runs on tensor cores in DT with fp32 accumulation (bf16 / fp16 products are
@@ -436,6 +439,23 @@ def _shape(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> dict:
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
 
 
+def select_keys(scores: torch.Tensor, lse: torch.Tensor, count: torch.Tensor,
+                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`count` keys of P = exp(scores - lse) per (row, head), on the device, no host
+    sync: keys int32 [N, Hq, capacity] in rank order (-1 past count) and P fp32
+    [N, Hq, L]. The rank key (bits of P) << 32 | (2^32 - 1 - position) is distinct per key
+    and orders by P, then lower position (module docstring)."""
+    n, num_heads, length = scores.shape
+    probs = torch.exp(scores - lse[..., None])
+    position = torch.arange(length, device=scores.device, dtype=torch.int64)
+    rank = (probs.view(torch.int32).to(torch.int64) << 32) | (_LOW_WORD - position)
+    top = rank.topk(min(capacity, length), dim=-1, sorted=True).indices.to(torch.int32)
+    keys = torch.full((n, num_heads, capacity), -1, dtype=torch.int32, device=scores.device)
+    rank_of = torch.arange(top.shape[-1], device=scores.device)
+    keys[..., : top.shape[-1]] = torch.where(rank_of < count[:, None, None], top, -1)
+    return keys, probs
+
+
 def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, key_retention: float,
                   capacity: int, *, max_context: int, block_n: int = 32, out: torch.Tensor | None = None,
@@ -473,23 +493,6 @@ def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             BLOCK_G=triton.next_power_of_2(shape["GROUP"]), BLOCK_N=block_n, **shape,
         )
     return DecodeSource(keys, count, mass, o_ref, c_ref, out)
-
-
-def select_keys(scores: torch.Tensor, lse: torch.Tensor, count: torch.Tensor,
-                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`count` keys of P = exp(scores - lse) per (row, head), on the device, no host
-    sync: keys int32 [N, Hq, capacity] in rank order (-1 past count) and P fp32
-    [N, Hq, L]. The rank key (bits of P) << 32 | (2^32 - 1 - position) is distinct per key
-    and orders by P, then lower position (module docstring)."""
-    n, num_heads, length = scores.shape
-    probs = torch.exp(scores - lse[..., None])
-    position = torch.arange(length, device=scores.device, dtype=torch.int64)
-    rank = (probs.view(torch.int32).to(torch.int64) << 32) | (_LOW_WORD - position)
-    top = rank.topk(min(capacity, length), dim=-1, sorted=True).indices.to(torch.int32)
-    keys = torch.full((n, num_heads, capacity), -1, dtype=torch.int32, device=scores.device)
-    rank_of = torch.arange(top.shape[-1], device=scores.device)
-    keys[..., : top.shape[-1]] = torch.where(rank_of < count[:, None, None], top, -1)
-    return keys, probs
 
 
 def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
