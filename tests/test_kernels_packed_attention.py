@@ -31,6 +31,7 @@ from specloop.kernels.packed_attention import (
     packed_attention_triton,
     read_keys,
     read_keys_reference,
+    read_keys_triton,
     reconstruct_keys,
     row_keys,
 )
@@ -347,6 +348,24 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, dim):
     torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
     k, v = read_keys(*case.storage(), 150, use_triton=True)
+    want_k, want_v = read_keys_reference(*case.storage(), 150)
+    _same(k, want_k)
+    _same(v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_branch_free_decode_reads_the_same(dtype):
+    """The kernel's branch-free decode (`branch_free`: masks instead of the branches on the
+    depth and on a block's keys sharing one record; an alternative for the H200 to time)
+    reads every key bit for bit as the reference, and attends within the tolerances."""
+    case = _case(29, [150, 100, 80], ["mixed", "sealed", "open"], _rows(), 4, 2, 64, dtype)
+    assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
+    out, lse = packed_attention_triton(*case.args(), return_lse=True, num_splits=2, block_n=64, branch_free=True)
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+    k, v = read_keys_triton(*case.storage(), 150, branch_free=True)
     want_k, want_v = read_keys_reference(*case.storage(), 150)
     _same(k, want_k)
     _same(v, want_v)
