@@ -11,7 +11,7 @@
 # (graph replay and no-sync included); PART=residual-bench bench/profile_kv_residual.py with
 # graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
-# bench/packed_reader_sweep.py (the packed reader's block_n, splits, warps); PART=residual-quick
+# bench/packed_reader_sweep.py (the packed reader's block_n, splits, warps, branch-free decode); PART=residual-quick
 # the packed reader's kernel tests and its engine and graph-replay tests only. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
@@ -61,7 +61,7 @@ if [ "$PART" = residual-bench ]; then  # CUDA graphs on both sides
 fi
 if [ "$PART" = reader-sweep ]; then  # the packed reader alone against the BF16 kernel, batch 1 and 32
   TAIL=80 step 300 python bench/packed_reader_sweep.py --out "$OUT/packed_reader_sweep_h200.json"
-  TAIL=30 step 200 python bench/packed_reader_sweep.py --batch 32 --lengths 1024 --splits engine,8 \
+  TAIL=30 step 200 python bench/packed_reader_sweep.py --batch 32 --lengths 1024 --splits engine,8 --warps default \
     --out "$OUT/packed_reader_sweep_b32_h200.json"
   exit 0
 fi

@@ -12,8 +12,9 @@ prefill), every group sealed except the BF16 tail's last --tail positions, which
 reader loads exact, as in a decode step. The shape is ouro-1.4b's (16 query and 16 KV
 heads of 128 channels) unless told otherwise. The BF16 kernel (`paged_attention`) reads
 the same length from pages with its own split choice; the packed one is swept over
-block_n x num_splits x num_warps, the engine's choice (block_n 32, `choose_splits`,
-Triton's default warps) marked `engine`. Bytes each reads are counted (packed: codes and
+block_n x num_splits x num_warps x the branch-free decode, each checked against its
+reference first, the engine's choice (block_n 32, `choose_splits`, Triton's default warps,
+branching) marked `engine`. Bytes each reads are counted (packed: codes and
 fp16 parameters of every plane up to the depth, the tail's BF16; BF16: every key and
 value), so each time comes with the bandwidth it reaches.
 """
@@ -71,8 +72,9 @@ def check(case: dict, rows: tuple, page: int, **kw) -> float:
     nothing): the largest absolute difference, asserted within bf16's 2e-2."""
     args = (case["q"], case["k_tail"], case["v_tail"], case["tables"], page, case["packed"], *rows)
     got, _ = packed_attention_triton(*args, **kw)
-    want, _ = packed_attention_reference(*args)
-    err = float((got.float() - want.float()).abs().max())
+    if "want" not in case:  # once per case
+        case["want"] = packed_attention_reference(*args)[0].float()
+    err = float((got.float() - case["want"]).abs().max())
     assert err <= 2e-2, f"the packed kernel differs from its reference by {err}"
     return err
 
@@ -102,9 +104,10 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--tail", type=int, default=64)
     p.add_argument("--page", type=int, default=16)
-    p.add_argument("--block-n", default="32,64,128")
-    p.add_argument("--splits", default="engine,32,64,128")
-    p.add_argument("--warps", default="default,4,8")
+    p.add_argument("--block-n", default="32,64")
+    p.add_argument("--splits", default="engine,64,128")
+    p.add_argument("--warps", default="default,8")
+    p.add_argument("--branch-free", default="off,on", help="the decode's branch-free variant: off, on or both")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
     device, planes = "cuda", 4
@@ -144,24 +147,28 @@ def main() -> None:
                 splits = engine_splits if splits_arg == "engine" else int(splits_arg)
                 for warps_arg in args.warps.split(","):
                     warps = None if warps_arg == "default" else int(warps_arg)
+                    for free_arg in args.branch_free.split(","):
+                        free = free_arg == "on"
+                        label = f"block_n {block_n}, {splits} splits, warps {warps_arg}, branch-free {free_arg}"
+                        kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps, "branch_free": free}
 
-                    def run() -> None:
-                        packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"], args.page,
-                                                case["packed"], cell, depth, position, offset, num_splits=splits,
-                                                block_n=block_n, num_warps=warps)
-                    try:
-                        ms = time_ms(run, args.reps)
-                    except Exception as exc:  # a configuration Triton cannot compile (registers, shared memory)
-                        row["packed"].append({"block_n": block_n, "splits": splits, "warps": warps_arg,
-                                              "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                        print(f"  block_n {block_n}, {splits} splits, warps {warps_arg}: {type(exc).__name__}",
+                        def run() -> None:
+                            packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
+                                                    args.page, case["packed"], cell, depth, position, offset, **kw)
+                        entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "branch_free": free}
+                        try:
+                            entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
+                                                                      args.page, **kw)
+                            ms = time_ms(run, args.reps)
+                        except Exception as exc:  # one Triton cannot compile (registers, shared memory), or wrong
+                            row["packed"].append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                            print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
+                            continue
+                        engine = block_n == 32 and splits_arg == "engine" and warps is None and not free
+                        row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
+                                                      "engine": engine})
+                        print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",
                               file=sys.stderr, flush=True)
-                        continue
-                    engine = block_n == 32 and splits_arg == "engine" and warps is None
-                    row["packed"].append({"block_n": block_n, "splits": splits, "warps": warps_arg, "ms": ms,
-                                          "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16, "engine": engine})
-                    print(f"  block_n {block_n}, {splits} splits, warps {warps_arg}: {ms * 1e3:.1f} us "
-                          f"({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}", file=sys.stderr, flush=True)
         record["results"].append(row)
         Path(args.out).write_text(json.dumps(record, indent=1))
         del case
