@@ -342,12 +342,17 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, dim):
     assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
     assert _seal_kinds(case) == {"below", "at", "above", "never"}
     splits, block_n = (2, 32) if dim == 64 else (1, 64)
-    out, lse = packed_attention_triton(*case.args(), return_lse=True, num_splits=splits, block_n=block_n)
+    _kernel_reads_like_reference(case, dtype, num_splits=splits, block_n=block_n)
+
+
+def _kernel_reads_like_reference(case: Case, dtype: torch.dtype, branch_free: bool = False, **kw) -> None:
+    """Attention within the tolerances of the reference, and every key read bit for bit."""
+    out, lse = packed_attention_triton(*case.args(), return_lse=True, branch_free=branch_free, **kw)
     want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
-    k, v = read_keys(*case.storage(), 150, use_triton=True)
+    k, v = read_keys_triton(*case.storage(), 150, branch_free=branch_free)
     want_k, want_v = read_keys_reference(*case.storage(), 150)
     _same(k, want_k)
     _same(v, want_v)
@@ -360,15 +365,7 @@ def test_branch_free_decode_reads_the_same(dtype):
     reads every key bit for bit as the reference, and attends within the tolerances."""
     case = _case(29, [150, 100, 80], ["mixed", "sealed", "open"], _rows(), 4, 2, 64, dtype)
     assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
-    out, lse = packed_attention_triton(*case.args(), return_lse=True, num_splits=2, block_n=64, branch_free=True)
-    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
-    k, v = read_keys_triton(*case.storage(), 150, branch_free=True)
-    want_k, want_v = read_keys_reference(*case.storage(), 150)
-    _same(k, want_k)
-    _same(v, want_v)
+    _kernel_reads_like_reference(case, dtype, branch_free=True, num_splits=2, block_n=64)
 
 
 @pytest.mark.parametrize("splits, block_n", [(1, 32), (3, 32), (4, 64)])

@@ -365,6 +365,17 @@ def test_byte_budget_split_and_stats(tiny_ckpt):
     assert stats.kv_residual_quantization["tail"] == TAIL and stats.kv_residual_quantization["enabled"]
 
 
+def _collector(got: dict[str, tuple[list[int], list[float]]]):
+    """A function adding a step's outputs (tokens, logprobs) to `got`, failing on errors."""
+    def collect(outs) -> None:
+        for o in outs:
+            assert o.error is None, o.error
+            tokens, logprobs = got.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+    return collect
+
+
 @pytest.mark.parametrize("steps, sparse", [(3, False), (9, False), (14, False), (9, True)])
 def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps, sparse):
     """A snapshot taken mid-prefill or mid-decode (groups encoded, tail pages given back)
@@ -377,13 +388,7 @@ def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps, sparse):
     for p in range(len(PROMPTS)):
         engine.add_request(f"r{p}", PROMPTS[p], params)
     got: dict[str, tuple[list[int], list[float]]] = {}
-
-    def collect(outs):
-        for o in outs:
-            assert o.error is None, o.error
-            tokens, logprobs = got.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
+    collect = _collector(got)
 
     for _ in range(steps):
         collect(engine.step())
@@ -415,13 +420,7 @@ def test_a_restore_takes_only_the_pages_not_given_back(tiny_ckpt, refs):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
     engine.add_request("r2", PROMPTS[2], params)
     got: dict[str, tuple[list[int], list[float]]] = {}
-
-    def collect(outs):
-        for o in outs:
-            assert o.error is None, o.error
-            tokens, logprobs = got.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
+    collect = _collector(got)
 
     while not got:  # through the prompt: its groups sealed and tail pages went back
         collect(engine.step())
