@@ -333,6 +333,18 @@ def _selected_block(start, row, kv_head, head, g_ok, count, table, keys_ptr, tab
 
 
 @triton.jit
+def _selection_program(positions_ptr, offsets_ptr, count_ptr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """A (row, KV head) program over a row's selection: the row, KV head, position, count,
+    table offset, the KV head's query heads (and which lanes are real) and channels."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    return (row, kv_head, tl.load(positions_ptr + row), tl.load(count_ptr + row),
+            tl.load(offsets_ptr + row).to(tl.int64), g < GROUP, kv_head * GROUP + g, tl.arange(0, BLOCK_D))
+
+
+@triton.jit
 def _selected_kernel(
     probs_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, keys_ptr, count_ptr, mass_ptr, c_ref_ptr,
     stride_vs, stride_vh, num_heads, max_context, capacity,
@@ -340,16 +352,9 @@ def _selected_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (row, KV head): m = sum_S P and C_ref = sum_S P V2 over each head's selection."""
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    pos = tl.load(positions_ptr + row)
-    count = tl.load(count_ptr + row)
+    row, kv_head, pos, count, table, g_ok, head, d = _selection_program(positions_ptr, offsets_ptr, count_ptr,
+                                                                        GROUP, BLOCK_G, BLOCK_D)
     if (pos >= 0) & (count > 0):
-        table = tl.load(offsets_ptr + row).to(tl.int64)
-        g = tl.arange(0, BLOCK_G)
-        g_ok = g < GROUP
-        head = kv_head * GROUP + g
-        d = tl.arange(0, BLOCK_D)
         mass = tl.zeros([BLOCK_G], tl.float32)
         c = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for start in range(0, count, BLOCK_N):
@@ -373,16 +378,9 @@ def _correction_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     """Per (row, KV head): softmax of q_r . K_r over each head's S, corrected by the source."""
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    pos = tl.load(positions_ptr + row)
-    count = tl.load(count_ptr + row)
+    row, kv_head, pos, count, table, g_ok, head, d = _selection_program(positions_ptr, offsets_ptr, count_ptr,
+                                                                        GROUP, BLOCK_G, BLOCK_D)
     if (pos >= 0) & (count > 0):
-        table = tl.load(offsets_ptr + row).to(tl.int64)
-        g = tl.arange(0, BLOCK_G)
-        g_ok = g < GROUP
-        head = kv_head * GROUP + g
-        d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         ok_gd = g_ok[:, None] & d_ok[None, :]
         q = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + d[None, :], mask=ok_gd, other=0.0)
