@@ -3,6 +3,9 @@ the BF16 paged kernel over the same context, across key block sizes, splits and 
 
 Usage (device machine):
     python bench/packed_reader_sweep.py --out bench/results/packed_reader_sweep_h200.json
+A smoke run without a GPU (interpreter; its times mean nothing):
+    TRITON_INTERPRET=1 python bench/packed_reader_sweep.py --out /tmp/sweep.json --lengths 200 \
+        --heads 4 --kv-heads 4 --dim 32 --tail 16 --reps 1 --block-n 32 --splits engine,2 --warps default
 
 What it times (CUDA events after warm-up, the median of --reps; ../shared/docs/gpu.md):
 one layer's attention for `--batch` cells of `--length` positions each, one query row per
@@ -25,13 +28,14 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from specloop.kernels.int4_groups import quantize_k_groups, quantize_v_groups
 from specloop.kernels.packed_attention import NEVER, PackedKV, packed_attention_reference, packed_attention_triton
-from specloop.kernels.paged_attention import TILE_COLUMNS, choose_splits, paged_attention
+from specloop.kernels.paged_attention import TILE_COLUMNS, block_g, choose_splits, paged_attention
 
 GROUP = 64
 
@@ -82,6 +86,10 @@ def check(case: dict, rows: tuple, page: int, **kw) -> float:
 def time_ms(fn, reps: int) -> float:
     for _ in range(3):
         fn()
+    if not torch.cuda.is_available():  # the CPU smoke run (interpreter): wall time, meaningless as speed
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,9 +118,11 @@ def main() -> None:
     p.add_argument("--branch-free", default="off,on", help="the decode's branch-free variant: off, on or both")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
-    device, planes = "cuda", 4
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    record = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    planes = 4
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 1
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)"
+    record = {"command": " ".join(sys.argv), "device": name, "torch": torch.__version__,
               "args": vars(args), "results": []}
     for length in (int(x) for x in args.lengths.split(",")):
         case = build(args.batch, length, planes, args.heads, args.kv_heads, args.dim, args.tail, args.page, device)
@@ -134,8 +144,10 @@ def main() -> None:
         tiles = tiles.to(torch.int32).to(device).contiguous()
         assert tiles.shape[1] == TILE_COLUMNS
         err = check(case, (cell, depth, position, offset), args.page, num_splits=engine_splits)
+        tile_rows = max(1, 16 // block_g(args.heads, args.kv_heads))  # the engine's decode tiles (M >= 16)
         bf16 = time_ms(lambda: paged_attention(case["q"], case["k_tail"], case["v_tail"], case["tables"], position,
-                                               tiles, args.page, tile_rows=1, num_splits=engine_splits), args.reps)
+                                               tiles, args.page, tile_rows=tile_rows, num_splits=engine_splits),
+                       args.reps)
         row = {"length": length, "batch": b, "depth": d, "bf16_ms": bf16, "bf16_splits": engine_splits,
                "engine_config_max_abs_err_vs_reference": err,
                "bf16_gbs": bf16_bytes / bf16 / 1e6, "packed_bytes": packed_bytes, "bf16_bytes": bf16_bytes,
