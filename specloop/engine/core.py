@@ -216,7 +216,8 @@ class EngineCore:
         self.kv.records = ResidualRecords(planes, num_records, record_bytes, cfg.token_sparse_prefill)
         self.kv.span_limit = _residual_span(cfg, planes, speculation)
         groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
-        ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs  # resets, records, truncates, scans
+        # resets, records, truncates, release scans
+        ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
         return store, ints
 
     def _num_pages(self, page_bytes: int, device: torch.device) -> int:
@@ -571,8 +572,8 @@ def _residual_span(config: EngineConfig, num_loops: int, speculation: Any) -> in
     (the one the frontier is in, one not sealed yet). A prompt grows its tables to its
     depth-0 frontier plus one plan's rows, and the deepest plane trails depth 0 by one
     plan's rows in a wavefront (a token-sparse depth by one window more, as it waits for
-    whole windows, and its groups of rows span more positions); the tickets in flight delay releases by a plan each past the second.
-    Speculation runs at most (tickets in flight + 1) x rows per request past the committed
+    whole windows, and its groups of rows span more positions); the tickets in flight
+    delay releases by a plan each past the second. Speculation runs at most (tickets in flight + 1) x rows per request past the committed
     tokens, behind which it releases."""
     rows, inflight = config.max_num_batched_tokens, config.max_inflight_tickets
     span = max(2, inflight) * rows + config.kv_residual_quantization.tail + 2 * RECORD_ROWS

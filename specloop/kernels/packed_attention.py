@@ -616,7 +616,8 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
         BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLITS=num_splits,
         DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
-        BRANCH_FREE=branch_free, enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}), **common,
+        BRANCH_FREE=branch_free, enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}),
+        **common,
     )
     if num_splits > 1:
         _combine_kernel[(num_tiles * tile_rows, num_heads)](

@@ -271,16 +271,18 @@ class KVManager:
                              f"{self.num_planes} planes")
         need = sum(pages_per_plane - r for r in released)
         if need > self.num_available_pages:
-            raise OutOfPages(f"request {rid!r} needs {need} KV pages but only {self.num_available_pages} are unreserved.")
+            raise OutOfPages(f"request {rid!r} needs {need} KV pages but only {self.num_available_pages} "
+                             f"are unreserved.")
         covered = pages_per_plane * self.block_size
+        if self.records is not None and self.records.records_for(None, covered, prompt_len) > self.records.num_free:
+            raise OutOfPages(f"request {rid!r}: not enough free INT4 residual records")
+        self.add_request(rid, 0, prompt_len)
         if self.records is not None:
-            if self.records.records_for(None, covered, prompt_len) > self.records.num_free:
-                raise OutOfPages(f"request {rid!r}: not enough free INT4 residual records")
-            self.records.add(rid, prompt_len)
             self.records.ensure(rid, covered)
         pages = iter(self.allocator.allocate(need))
-        tables = [[self.sink_page] * r + [next(pages) for _ in range(pages_per_plane - r)] for r in released]
-        self._requests[rid] = _RequestKV(0, tables, [0] * self.num_planes, list(released))
+        req = self._requests[rid]
+        req.tables = [[self.sink_page] * r + [next(pages) for _ in range(pages_per_plane - r)] for r in released]
+        req.released = list(released)
 
     def pages_to_cover(self, rid: str, num_tokens: int) -> int:
         """Pages `ensure(rid, num_tokens)` would allocate (0 when already covered)."""
