@@ -11,7 +11,7 @@
 # (graph replay and no-sync included); PART=residual-bench bench/profile_kv_residual.py with
 # graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
-# bench/packed_reader_sweep.py (the packed reader's block_n, splits, warps, branch-free decode); PART=residual-quick
+# bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
 # the packed reader's kernel tests and its engine and graph-replay tests only. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u

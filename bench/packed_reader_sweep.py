@@ -15,9 +15,10 @@ prefill), every group sealed except the BF16 tail's last --tail positions, which
 reader loads exact, as in a decode step. The shape is ouro-1.4b's (16 query and 16 KV
 heads of 128 channels) unless told otherwise. The BF16 kernel (`paged_attention`) reads
 the same length from pages with its own split choice; the packed one is swept over
-block_n x num_splits x num_warps x the branch-free decode, each checked against its
-reference first, the engine's choice (block_n 32, `choose_splits`, Triton's default warps,
-branching) marked `engine`. Bytes each reads are counted (packed: codes and
+block_n x num_splits x num_warps, each checked against its reference first, the engine's
+choice (block_n 32, `packed_splits`, Triton's default warps) marked `engine`. (The
+recorded bench/results/packed_reader_sweep_h200.json also swept a branching decode variant,
+since deleted: it was slower everywhere.) Bytes each reads are counted (packed: codes and
 fp16 parameters of every plane up to the depth, the tail's BF16; BF16: every key and
 value), so each time comes with the bandwidth it reaches.
 """
@@ -34,7 +35,8 @@ from pathlib import Path
 import torch
 
 from specloop.kernels.int4_groups import quantize_k_groups, quantize_v_groups
-from specloop.kernels.packed_attention import NEVER, PackedKV, packed_attention_reference, packed_attention_triton
+from specloop.kernels.packed_attention import (NEVER, PackedKV, packed_attention_reference, packed_attention_triton,
+                                               packed_splits)
 from specloop.kernels.paged_attention import TILE_COLUMNS, block_g, choose_splits, paged_attention
 
 GROUP = 64
@@ -115,7 +117,6 @@ def main() -> None:
     p.add_argument("--block-n", default="32,64")
     p.add_argument("--splits", default="engine,64,128")
     p.add_argument("--warps", default="default,8")
-    p.add_argument("--branch-free", default="off,on", help="the decode's branch-free variant: off, on or both")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
     planes = 4
@@ -131,7 +132,8 @@ def main() -> None:
         depth = torch.full((b,), d, dtype=torch.int32, device=device)
         position = torch.full((b,), length - 1, dtype=torch.int32, device=device)
         offset = ((cell * planes + d) * case["pages_per_plane"]).to(torch.int32)
-        engine_splits = choose_splits(b, args.kv_heads, length, sms)
+        engine_splits = choose_splits(b, args.kv_heads, length, sms)  # the BF16 kernel's
+        packed_engine_splits = packed_splits(b, args.kv_heads, length, sms)
         keys = b * length
         head_bytes = args.kv_heads * args.dim
         exact = b * (length - case["sealed_groups"] * GROUP)
@@ -143,7 +145,7 @@ def main() -> None:
         tiles = torch.stack([torch.arange(b), torch.ones(b, dtype=torch.long), offset.long().cpu()], 1)
         tiles = tiles.to(torch.int32).to(device).contiguous()
         assert tiles.shape[1] == TILE_COLUMNS
-        err = check(case, (cell, depth, position, offset), args.page, num_splits=engine_splits)
+        err = check(case, (cell, depth, position, offset), args.page, num_splits=packed_engine_splits)
         tile_rows = max(1, 16 // block_g(args.heads, args.kv_heads))  # the engine's decode tiles (M >= 16)
         bf16 = time_ms(lambda: paged_attention(case["q"], case["k_tail"], case["v_tail"], case["tables"], position,
                                                tiles, args.page, tile_rows=tile_rows, num_splits=engine_splits),
@@ -156,31 +158,29 @@ def main() -> None:
               f"{engine_splits} splits", file=sys.stderr, flush=True)
         for block_n in (int(x) for x in args.block_n.split(",")):
             for splits_arg in args.splits.split(","):
-                splits = engine_splits if splits_arg == "engine" else int(splits_arg)
+                splits = packed_engine_splits if splits_arg == "engine" else int(splits_arg)
                 for warps_arg in args.warps.split(","):
                     warps = None if warps_arg == "default" else int(warps_arg)
-                    for free_arg in args.branch_free.split(","):
-                        free = free_arg == "on"
-                        label = f"block_n {block_n}, {splits} splits, warps {warps_arg}, branch-free {free_arg}"
-                        kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps, "branch_free": free}
+                    label = f"block_n {block_n}, {splits} splits, warps {warps_arg}"
+                    kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
 
-                        def run() -> None:
-                            packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
-                                                    args.page, case["packed"], cell, depth, position, offset, **kw)
-                        entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "branch_free": free}
-                        try:
-                            entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
-                                                                      args.page, **kw)
-                            ms = time_ms(run, args.reps)
-                        except Exception as exc:  # one Triton cannot compile (registers, shared memory), or wrong
-                            row["packed"].append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                            print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
-                            continue
-                        engine = block_n == 32 and splits_arg == "engine" and warps is None and not free
-                        row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
-                                                      "engine": engine})
-                        print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",
-                              file=sys.stderr, flush=True)
+                    def run() -> None:
+                        packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
+                                                args.page, case["packed"], cell, depth, position, offset, **kw)
+                    entry = {"block_n": block_n, "splits": splits, "warps": warps_arg}
+                    try:
+                        entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
+                                                                  args.page, **kw)
+                        ms = time_ms(run, args.reps)
+                    except Exception as exc:  # one Triton cannot compile (registers, shared memory), or wrong
+                        row["packed"].append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                        print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
+                        continue
+                    engine = block_n == 32 and splits_arg == "engine" and warps is None
+                    row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
+                                                  "engine": engine})
+                    print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",
+                          file=sys.stderr, flush=True)
         record["results"].append(row)
         Path(args.out).write_text(json.dumps(record, indent=1))
         del case

@@ -29,12 +29,14 @@ from specloop.kernels.packed_attention import (
     packed_attention,
     packed_attention_reference,
     packed_attention_triton,
+    packed_splits,
     read_keys,
     read_keys_reference,
     read_keys_triton,
     reconstruct_keys,
     row_keys,
 )
+from specloop.kernels.paged_attention import choose_splits
 from specloop.model.flashloop_reference import quantize_rows, read_kv, residual_encode, seal_positions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -345,27 +347,27 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, dim):
     _kernel_reads_like_reference(case, dtype, num_splits=splits, block_n=block_n)
 
 
-def _kernel_reads_like_reference(case: Case, dtype: torch.dtype, branch_free: bool = False, **kw) -> None:
+def _kernel_reads_like_reference(case: Case, dtype: torch.dtype, **kw) -> None:
     """Attention within the tolerances of the reference, and every key read bit for bit."""
-    out, lse = packed_attention_triton(*case.args(), return_lse=True, branch_free=branch_free, **kw)
+    out, lse = packed_attention_triton(*case.args(), return_lse=True, **kw)
     want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
-    k, v = read_keys_triton(*case.storage(), 150, branch_free=branch_free)
+    k, v = read_keys_triton(*case.storage(), 150)
     want_k, want_v = read_keys_reference(*case.storage(), 150)
     _same(k, want_k)
     _same(v, want_v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_branch_free_decode_reads_the_same(dtype):
-    """The kernel's branch-free decode (`branch_free`: masks instead of the branches on the
-    depth and on a block's keys sharing one record; an alternative for the H200 to time)
-    reads every key bit for bit as the reference, and attends within the tolerances."""
-    case = _case(29, [150, 100, 80], ["mixed", "sealed", "open"], _rows(), 4, 2, 64, dtype)
-    assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
-    _kernel_reads_like_reference(case, dtype, branch_free=True, num_splits=2, block_n=64)
+def test_packed_splits_split_long_contexts_of_few_programs():
+    """More splits than the BF16 kernel's for a few programs on a long context (the H200
+    sweep's batch-1 choices), the same as its choice for a full grid or a short context."""
+    assert packed_splits(1, 16, 8192, 132) == choose_splits(1, 16, 8192, 132) == 17
+    assert packed_splits(1, 16, 32768, 132) == 64
+    assert packed_splits(8, 16, 32768, 132) == 8  # capped at 8 waves of programs
+    assert packed_splits(128, 16, 32768, 132) == choose_splits(128, 16, 32768, 132) == 1
+    assert packed_splits(1, 16, 1024, 132) == choose_splits(1, 16, 1024, 132)
 
 
 @pytest.mark.parametrize("splits, block_n", [(1, 32), (3, 32), (4, 64)])

@@ -106,7 +106,7 @@ from specloop.kernels import DTYPES
 from specloop.kernels import packed_rows
 from specloop.kernels.int4_groups import GROUP, PAIRS, KGroups, VGroups
 from specloop.kernels.packed_rows import NEVER
-from specloop.kernels.paged_attention import TILE_COLUMNS
+from specloop.kernels.paged_attention import TILE_COLUMNS, choose_splits
 from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -175,108 +175,78 @@ def _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3):
 
 @triton.jit
 def _plane_decode(
-    k, v, r, rec, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+    k, v, r, rec, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
     num_kv_heads, p: tl.constexpr, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    BRANCH_FREE: tl.constexpr,
 ):
     """k, v with plane p's decode applied for keys with a row and a record there where
     `recon`: plane 0's decode, or the residual added and rounded (codes, scale and lo
-    loaded only for those keys). `BRANCH_FREE`: no branch on the depth or on the keys
-    sharing one record (masks alone; the compiler may then overlap the planes' loads)."""
+    loaded only for those keys). Masks alone, no branch on the depth or on keys sharing a
+    record: planes past the depth have no rows (`_plane_rows`), and the branching variant
+    (one [D] scale load for a one-record block) was 1.2x slower on the H200
+    (bench/results/packed_reader_sweep_h200.json)."""
     if p < PLANES:
-        if BRANCH_FREE:
-            k, v = _plane_values(k, v, r, rec, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                                 v_scale_ptr, v_lo_ptr, num_kv_heads, p, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, V_GROUPS,
-                                 BF16_BY_HAND, False)
-        elif depth >= p:  # the same for the whole program: planes past the depth are not read
-            k, v = _plane_values(k, v, r, rec, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                                 v_scale_ptr, v_lo_ptr, num_kv_heads, p, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, V_GROUPS,
-                                 BF16_BY_HAND, True)
-    return k, v
-
-
-@triton.jit
-def _plane_values(
-    k, v, r, rec, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-    num_kv_heads, p: tl.constexpr, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr, ONE_RECORD: tl.constexpr,
-):
-    """`_plane_decode`'s body (`ONE_RECORD`: check whether the keys share one record, whose
-    K scale and minimum then load once)."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    use = recon & (r >= 0) & (rec >= 0)
-    row = tl.where(use, r % 64, 0)
-    rec = tl.where(use, rec, 0).to(tl.int64)
-    ok = use[:, None] & d_ok[None, :]
-    # K: byte (rec, row // 2, head, d), the row's nibble; scale / lo (rec, head, d)
-    pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
-    byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
-    code = (byte >> (4 * (row % 2))[:, None]) & 0xF
-    each = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
-    if ONE_RECORD:
-        first = tl.min(tl.where(use, rec, 2**62), axis=0)
-        if first == tl.max(tl.where(use, rec, -1), axis=0):  # one record (the usual block): one [D] load
-            one = (first * num_kv_heads + kv_head) * HEAD_DIM + d
-            scale = tl.broadcast_to(tl.load(k_scale_ptr + one, mask=d_ok, other=0.0).to(tl.float32)[None, :],
-                                    (BLOCK_N, BLOCK_D))
-            lo = tl.broadcast_to(tl.load(k_lo_ptr + one, mask=d_ok, other=0.0).to(tl.float32)[None, :],
-                                 (BLOCK_N, BLOCK_D))
-        else:
-            scale = tl.load(k_scale_ptr + each, mask=ok, other=0.0).to(tl.float32)
-            lo = tl.load(k_lo_ptr + each, mask=ok, other=0.0).to(tl.float32)
-    else:
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        use = recon & (r >= 0) & (rec >= 0)
+        row = tl.where(use, r % 64, 0)
+        rec = tl.where(use, rec, 0).to(tl.int64)
+        ok = use[:, None] & d_ok[None, :]
+        # K: byte (rec, row // 2, head, d), the row's nibble; scale / lo (rec, head, d)
+        pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
+        byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
+        code = (byte >> (4 * (row % 2))[:, None]) & 0xF
+        each = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
         scale = tl.load(k_scale_ptr + each, mask=ok, other=0.0).to(tl.float32)
         lo = tl.load(k_lo_ptr + each, mask=ok, other=0.0).to(tl.float32)
-    dk = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
-    # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per
-    # (row, 64 channels): one [BLOCK_N] load per channel group, spread over its channels
-    vrow = (rec * 64 + row) * num_kv_heads + kv_head
-    byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
-                   other=0).to(tl.int32)
-    code = (byte >> (4 * (d % 2))[None, :]) & 0xF
-    scale = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in tl.static_range(V_GROUPS):
-        at = vrow * V_GROUPS + g
-        here = (d // 64 == g)[None, :]
-        scale = tl.where(here, tl.load(v_scale_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], scale)
-        lo = tl.where(here, tl.load(v_lo_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], lo)
-    dv = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
-    if p == 0:
-        k = tl.where(ok, dk, 0.0)
-        v = tl.where(ok, dv, 0.0)
-    else:
-        k = tl.where(ok, round_to(k + dk, DTYPE, BF16_BY_HAND), k)
-        v = tl.where(ok, round_to(v + dv, DTYPE, BF16_BY_HAND), v)
+        dk = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+        # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per
+        # (row, 64 channels): one [BLOCK_N] load per channel group, spread over its channels
+        vrow = (rec * 64 + row) * num_kv_heads + kv_head
+        byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
+                       other=0).to(tl.int32)
+        code = (byte >> (4 * (d % 2))[None, :]) & 0xF
+        scale = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        lo = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for g in tl.static_range(V_GROUPS):
+            at = vrow * V_GROUPS + g
+            here = (d // 64 == g)[None, :]
+            scale = tl.where(here, tl.load(v_scale_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], scale)
+            lo = tl.where(here, tl.load(v_lo_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], lo)
+        dv = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+        if p == 0:
+            k = tl.where(ok, dk, 0.0)
+            v = tl.where(ok, dv, 0.0)
+        else:
+            k = tl.where(ok, round_to(k + dk, DTYPE, BF16_BY_HAND), k)
+            v = tl.where(ok, round_to(v + dv, DTYPE, BF16_BY_HAND), v)
     return k, v
 
 
 @triton.jit
 def _reconstructed(
-    recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
+    recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
     r0, c0, r1, c1, r2, c2, r3, c3,
     DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr, BRANCH_FREE: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     """K and V [BLOCK_N, BLOCK_D] of the block's keys reconstructed at `depth` where `recon`,
     fp32 holding DTYPE values, 0 elsewhere: plane 0's decode plus the residual of each plane
     1..depth with a row (rows and records from `_plane_rows`)."""
     k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    k, v = _plane_decode(k, v, r0, c0, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+    k, v = _plane_decode(k, v, r0, c0, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 0, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND, BRANCH_FREE)
-    k, v = _plane_decode(k, v, r1, c1, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                         BF16_BY_HAND)
+    k, v = _plane_decode(k, v, r1, c1, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 1, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND, BRANCH_FREE)
-    k, v = _plane_decode(k, v, r2, c2, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                         BF16_BY_HAND)
+    k, v = _plane_decode(k, v, r2, c2, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 2, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND, BRANCH_FREE)
-    k, v = _plane_decode(k, v, r3, c3, recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                         BF16_BY_HAND)
+    k, v = _plane_decode(k, v, r3, c3, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 3, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND, BRANCH_FREE)
+                         BF16_BY_HAND)
     return k, v
 
 
@@ -314,7 +284,7 @@ def _key_block(
     seal_ptr, group_tables_ptr, row_maps_ptr,
     stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr, BRANCH_FREE: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     """K and V [BLOCK_N, BLOCK_D] of keys j (where j_ok) as one row at `pos` reads them: fp32
     holding DT values, 0 elsewhere (the attention kernel's gather for a one-row tile)."""
@@ -326,9 +296,9 @@ def _key_block(
     k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if tl.max(recon.to(tl.int32), axis=0) > 0:  # a block of exact keys skips the decode
-        k, v = _reconstructed(recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
+        k, v = _reconstructed(recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
                               v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3, k_tail_ptr.dtype.element_ty,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, BRANCH_FREE)
+                              HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
     k_exact, v_exact = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh,
                               stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
     k = tl.where(recon[:, None], k, k_exact.to(tl.float32))
@@ -369,7 +339,6 @@ def _attention_kernel(
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
-    BRANCH_FREE: tl.constexpr,
 ):
     first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
     kv_head = tl.program_id(1)
@@ -411,9 +380,9 @@ def _attention_kernel(
             k_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
             v_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
             if tl.max(recon.to(tl.int32), axis=0) > 0:  # no decode in a block of exact keys
-                kr, vr = _reconstructed(recon, depth, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                kr, vr = _reconstructed(recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                                         v_scale_ptr, v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3, dtype,
-                                        HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, BRANCH_FREE)
+                                        HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
                 k_hat = kr.to(DOT_DTYPE)  # exact: kr holds DT values
                 v_hat = vr.to(DOT_DTYPE)
             k_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
@@ -501,7 +470,7 @@ def _read_keys_kernel(
     k_out_ptr, v_out_ptr,
     stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len, keys,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, BRANCH_FREE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     """Per (row, KV head, block of keys): the attention kernel's gather, stored."""
     n = tl.program_id(0).to(tl.int64)
@@ -515,7 +484,7 @@ def _read_keys_kernel(
             tl.load(table_offset_ptr + n).to(tl.int64), kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
             k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr,
             stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, BRANCH_FREE)
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
         d = tl.arange(0, BLOCK_D)
         at = ((n * keys + j) * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]
         ok = (j < keys)[:, None] & (d < HEAD_DIM)[None, :]
@@ -575,12 +544,23 @@ def _check_tiles(tiles: torch.Tensor | None, tile_rows: int | None) -> int:
     return tile_rows
 
 
+def packed_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Split-KV for the packed reader: `choose_splits`, then more splits (up to 64, none
+    under 512 keys) while the grid stays within 8 waves of the GPU. Its per-key cost is
+    latency (dependent gathers), so a few programs on a long context need more splits than
+    the BF16 kernel: on the H200 at batch 1, 64 splits read 32K keys 1.25x faster than
+    `choose_splits`' 17, which stay best at 8K (bench/results/packed_reader_sweep_h200.json;
+    only batch 1 was swept)."""
+    base = choose_splits(num_tiles, num_kv_heads, max_context, num_sms)
+    waves = max(1, 8 * num_sms // max(1, num_tiles * num_kv_heads))
+    return max(base, min(64, waves, -(-max_context // 512)))
+
+
 def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
                             page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
                             position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
                             tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
-                            block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
-                            branch_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
     combine when split; no host sync (tiles are not checked against the rows: the reference
     checks them)."""
@@ -616,7 +596,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
         BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLITS=num_splits,
         DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
-        BRANCH_FREE=branch_free, enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}),
+        enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}),
         **common,
     )
     if num_splits > 1:
@@ -631,8 +611,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
 
 def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
                      packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor,
-                     table_offset: torch.Tensor, keys: int, *, block_n: int = 64,
-                     branch_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     table_offset: torch.Tensor, keys: int, *, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention kernel's gather (`_key_block`), stored: K and V [N, keys, Hkv, D]."""
     rows = (cell, depth, position, table_offset)
     _check(None, k_tail, v_tail, tables, packed, rows)
@@ -643,7 +622,7 @@ def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.T
         _read_keys_kernel[(n, k_tail.shape[1], triton.cdiv(keys, block_n))](
             *_storage(k_tail, v_tail, tables, packed), *rows, k_out, v_out,
             k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1), k_tail.shape[1],
-            packed.group_tables.shape[2], packed.row_maps.shape[2], keys, BLOCK_N=block_n, BRANCH_FREE=branch_free,
+            packed.group_tables.shape[2], packed.row_maps.shape[2], keys, BLOCK_N=block_n,
             enable_fp_fusion=False, **_common(k_tail, packed, page_size))
     return k_out, v_out
 

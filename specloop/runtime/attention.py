@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from specloop.errors import ConfigError
-from specloop.kernels.packed_attention import packed_attention
+from specloop.kernels.packed_attention import packed_attention, packed_splits
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
@@ -213,7 +213,7 @@ class TritonAttention:
         if lp.encode_plan is not None:  # the packed reader, over the same query tiles
             readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
             if splits is None:
-                splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
+                splits = packed_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
             return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
                               readers, lp.table_offsets)
         if splits is None:  # eager: from this call's tiles and longest context

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from specloop.kernels.packed_attention import packed_splits
 from specloop.kernels.paged_attention import choose_splits
 from specloop.runtime.forward_batch import ForwardBatchBuilder, LoopPass, PassLayout, pass_view
 
@@ -67,7 +68,8 @@ class LoopGraphs:
         self.tables = torch.zeros(batches.max_tables + 1, dtype=torch.long, device=device)
         self.tables[batches.pad_table] = sink_page  # the pad table entry
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.splits = {b: choose_splits(b, num_kv_heads, max_context, sms) for b in self.buckets}
+        pick = packed_splits if batches.residual else choose_splits  # residual passes read packed
+        self.splits = {b: pick(b, num_kv_heads, max_context, sms) for b in self.buckets}
         self.graphs: dict[int, _Graph] = {}
         self._hidden_size, self._dtype, self._adaptive_exit = hidden_size, dtype, adaptive_exit
         self.replays = 0  # passes run through a graph (tests count them)
