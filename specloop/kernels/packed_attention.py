@@ -81,10 +81,10 @@ truncates); see ../shared/docs/gpu.md and `int4_groups`.
 
 Not done yet: the M padding to 16 wastes most of a one-row (decode) program's tensor-core
 tile; a straddling block pays two
-QK and two PV products; block_n, splits and num_warps are untuned (the engine passes
-block_n 32 and `choose_splits`, made for the BF16 kernel; on the H200 a decode row costs
-~1 us a key per program at 32K, latency bound: bench/packed_reader_sweep.py times the
-choices), and register pressure at M = 64 with four gathered tiles live in a straddling
+QK and two PV products; the decode is latency bound on its dependent per-key gathers
+(7-12x the BF16 kernel's time for one decode row on the H200 with the engine's block_n 32,
+`packed_splits` and default warps, the best of bench/packed_reader_sweep.py's grid), and
+register pressure at M = 64 with four gathered tiles live in a straddling
 block is unmeasured. Not checked on the
 device (no host sync in `packed_attention_triton`): depth < P, positions < MAXLEN, that a
 key read reconstructed has a plane-0 row and every row it reads a record, and that tiles
