@@ -107,11 +107,14 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "token_sparse_prefill": (str, "FlashLoop token-sparse prefill as a JSON object with enabled, window (prompt "
                              "tokens per selection window) and retention (per loop); '{}' switches it on with "
                              "the defaults"),
+    "sparse_decode_attention": (str, "FlashLoop sparse decode attention as a JSON object with enabled and "
+                                "key_retention (share of a generated token's keys kept at loops 3+, from its "
+                                "loop-2 probabilities); '{}' switches it on with the defaults"),
     "kv_residual_quantization": (str, "FlashLoop INT4 cross-loop KV residuals as a JSON object with enabled, bits "
                                  "(4), group_size (64), tail (tokens a group stays exact after its last one) and "
                                  "policy (serial); '{}' switches it on with the defaults"),
 }
-JSON_OPTIONS = ("token_sparse_prefill", "kv_residual_quantization")  # FlashLoop groups: a JSON object each
+JSON_OPTIONS = ("token_sparse_prefill", "sparse_decode_attention", "kv_residual_quantization")  # FlashLoop groups: a JSON object each
 # What an unset option means where EngineConfig's default is None (no value to show).
 UNSET_MEANS = {
     "num_kv_pages": "from --kv-cache-bytes, else --gpu-memory-utilization on CUDA, a fixed budget on CPU",

@@ -119,6 +119,8 @@ class RowGroup:
     loops: int = 1  # consecutive loops the rows run in this call
     window: SparseWindow | None = None  # a sparse loop of token-sparse prefill (token_slots: the window's)
     records: RecordUpdate | None = None  # INT4 residual records the device has not seen yet
+    decode_from: int = 2**62  # the request's first generated position (its prompt's length): rows at or
+    # past it are generated-token queries (sparse decode attention's sources and corrections)
 
     @property
     def num_rows(self) -> int:

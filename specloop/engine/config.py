@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any
 
 from specloop.errors import ConfigError
-from specloop.flashloop.config import KVResidualQuantization, TokenSparsePrefill, summary as group_summary
+from specloop.flashloop.config import (KVResidualQuantization, SparseDecodeAttention, TokenSparsePrefill,
+                                      summary as group_summary)
 
 SPECULATION_MODES = ("none", "block", "pipeline")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -44,10 +45,12 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # KV pages ran out: recompute (re-enter its tokens) | swap (snapshot to host)
     # FlashLoop groups (off by default): a dict, a JSON object string or the group's dataclass.
     token_sparse_prefill: TokenSparsePrefill = dataclasses.field(default_factory=TokenSparsePrefill)
+    sparse_decode_attention: SparseDecodeAttention = dataclasses.field(default_factory=SparseDecodeAttention)
     kv_residual_quantization: KVResidualQuantization = dataclasses.field(default_factory=KVResidualQuantization)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_sparse_prefill", TokenSparsePrefill.parse(self.token_sparse_prefill))
+        object.__setattr__(self, "sparse_decode_attention", SparseDecodeAttention.parse(self.sparse_decode_attention))
         object.__setattr__(self, "kv_residual_quantization",
                            KVResidualQuantization.parse(self.kv_residual_quantization))
 
@@ -91,5 +94,6 @@ class EngineConfig:
         """Every option, for diagnostics and benchmark records (plain JSON data)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["token_sparse_prefill"] = group_summary(self.token_sparse_prefill)
+        out["sparse_decode_attention"] = group_summary(self.sparse_decode_attention)
         out["kv_residual_quantization"] = group_summary(self.kv_residual_quantization)
         return out

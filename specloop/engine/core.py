@@ -43,6 +43,7 @@ from specloop.runtime.forward_batch import WINDOW_INFO, ForwardBatchBuilder
 from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.kv_residual import PackedResiduals
+from specloop.runtime.sparse_decode import DecodeReferences
 from specloop.scheduling.residual_records import GROUP as RECORD_ROWS, ResidualRecords
 from specloop.runtime.runner import Runner
 from specloop.runtime.sampler import check_representable
@@ -128,10 +129,16 @@ class EngineCore:
         threshold = mcfg.early_exit_threshold if config.exit_threshold is None else config.exit_threshold
         page_bytes = PagedKV.page_bytes(mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads,
                                         mcfg.head_dim, self.model.dtype)
-        num_pages = self._num_pages(page_bytes, device)
         rows = config.max_num_batched_tokens
         num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
         speculation = _speculation(config, mcfg.num_loops)
+        decode_slots = self._check_sparse_decode(device, speculation)
+        reference_bytes = 0
+        if decode_slots:
+            reference_bytes = DecodeReferences.nbytes(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
+                                                      mcfg.head_dim, self.max_model_len,
+                                                      config.sparse_decode_attention.key_retention, self.model.dtype)
+        num_pages = self._num_pages(page_bytes, device, reference_bytes)
         heads: dict[type, Any] = {}
         if speculation is not None:
             # A round verifies k+1 rows in one call and a pipeline advances up to R live
@@ -143,6 +150,7 @@ class EngineCore:
             num_token_slots += 2 * per_request * config.max_num_seqs
             heads = SpeculationHeads(config.max_num_seqs, speculation.draft_width, mcfg.vocab_size,
                                      self.model.dtype, device, verifier).registry()
+        num_token_slots += decode_slots  # slots [0, decode_slots): generated tokens' (sparse decode attention)
         sparse = config.token_sparse_prefill
         sparse.check(mcfg.num_loops)
         window_slots = _window_slots(sparse, rows, config.max_num_seqs, mcfg.num_loops, num_token_slots)
@@ -150,22 +158,28 @@ class EngineCore:
         residuals, residual_ints = self._residuals(num_pages, device, speculation)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                                    adaptive_exit=threshold < 1.0, speculation=speculation,
-                                   preemption_mode=config.preemption_mode, token_sparse=sparse)
+                                   preemption_mode=config.preemption_mode, token_sparse=sparse,
+                                   decode_slots=decode_slots)
         self.scheduler.swap_out, self.scheduler.swap_in = self._swap_out, self._swap_in
         # One page past the KV manager's: the sink padding rows of a CUDA graph write.
         kv = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
                      mcfg.head_dim, self.model.dtype, device)
+        references = None
+        if decode_slots:
+            references = DecodeReferences(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
+                                          mcfg.head_dim, self.max_model_len,
+                                          config.sparse_decode_attention.key_retention, self.model.dtype, device)
         self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
-                                    mcfg.num_key_value_heads, residuals)
+                                    mcfg.num_key_value_heads, residuals, references)
         graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
         batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
                                       -(-self.max_model_len // config.block_size), config.block_size, device,
                                       tile_rows=self.backend.tile_rows, buckets=buckets, pad_slot=num_token_slots,
                                       window_slots=window_slots, residual_ints=residual_ints,
-                                      residual_tail=_execution_tail(config))
+                                      residual_tail=_execution_tail(config), sparse_decode=bool(decode_slots))
         runner = Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs, threshold,
-                        config.seed, heads, token_sparse=sparse, residuals=residuals)
+                        config.seed, heads, token_sparse=sparse, residuals=residuals, references=references)
         if graphed:
             runner.use_graphs(LoopGraphs(
                 runner.run_pass, batches, mcfg.hidden_size, self.model.dtype, threshold < 1.0,
@@ -220,13 +234,38 @@ class EngineCore:
         ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
         return store, ints
 
-    def _num_pages(self, page_bytes: int, device: torch.device) -> int:
+    def _check_sparse_decode(self, device: torch.device, speculation: Any) -> int:
+        """Slots of the decode sub-pool sparse decode attention needs (0: off); a combination
+        it does not support yet is refused here, never run dense in silence. A request holds
+        a generated token's slot for each of its rows in flight (a round's, or a pipeline's
+        live tokens) in each ticket in flight and the one being planned."""
+        cfg = self.config
+        if not cfg.sparse_decode_attention.enabled:
+            return 0
+        unsupported = []
+        if cfg.kv_residual_quantization.enabled:
+            unsupported.append("kv_residual_quantization (the correction reads BF16 pages only)")
+        if device.type == "cuda" and not cfg.enforce_eager and cfg.attention_backend != "torch":
+            unsupported.append("CUDA graphs (set enforce_eager)")
+        if cfg.preemption_mode == "swap":
+            unsupported.append("preemption_mode swap (snapshots do not carry the reference state; use recompute)")
+        if unsupported:
+            raise ConfigError("sparse_decode_attention does not support yet: " + "; ".join(unsupported))
+        per_request = speculation.rows_per_request if speculation is not None else 1
+        return cfg.max_num_seqs * per_request * (cfg.max_inflight_tickets + 1)
+
+    def _num_pages(self, page_bytes: int, device: torch.device, reserved: int = 0) -> int:
         """Pages of the KV pool: `num_kv_pages`, or the byte budget's share for BF16 pages (all
-        of it, or `kv_residual_quantization.tail_share` with INT4 residuals)."""
+        of it, or `kv_residual_quantization.tail_share` with INT4 residuals) after `reserved`
+        bytes (sparse decode attention's reference state)."""
         cfg = self.config
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
-        budget = self._kv_budget(device)
+        budget = self._kv_budget(device) - reserved
+        if budget <= 0:
+            raise SpecloopError(f"the KV budget of {self._kv_budget(device)} bytes leaves no room for pages after "
+                                f"{reserved} bytes of sparse decode reference state; lower max_num_seqs or "
+                                f"max_model_len")
         group = cfg.kv_residual_quantization
         if group.enabled:
             budget = int(budget * group.tail_share)
@@ -380,6 +419,8 @@ class EngineCore:
         self._check_alive()
         if request_id not in self.requests:
             raise InvalidRequestError(f"no request {request_id!r} to snapshot", param="request_id")
+        if self.config.sparse_decode_attention.enabled:
+            raise SnapshotError("snapshots do not carry sparse decode attention's reference state yet")
         try:
             self._pending.extend(self._quiesce())
         except BaseException as exc:
@@ -395,6 +436,8 @@ class EngineCore:
         """Resume a request from its snapshot, where it was: a refused restore (SnapshotError:
         another format version or configuration, its ID in use, no room) changes nothing."""
         self._check_alive()
+        if self.config.sparse_decode_attention.enabled:
+            raise SnapshotError("snapshots do not carry sparse decode attention's reference state yet")
         check_snapshot(self, snapshot)
         install_snapshot(self, snapshot)
 

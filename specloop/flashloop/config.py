@@ -2,8 +2,8 @@
 default, each parsed from a dict or a JSON object (the CLI's `--token-sparse-prefill JSON`)
 and validated once at start-up with one clear line per problem.
 
-`token_sparse_prefill` and `kv_residual_quantization` exist so far;
-`sparse_decode_attention` joins them with its issue.
+The three groups: `token_sparse_prefill`, `sparse_decode_attention` and
+`kv_residual_quantization`.
 """
 
 from __future__ import annotations
@@ -83,6 +83,36 @@ class TokenSparsePrefill:
         """Tokens a window of `length` keeps at 0-based `depth`: max(1, ceil(length * retention)),
         with the retention read as the decimal it was written as (0.1 is 1/10, exactly)."""
         return max(1, math.ceil(Fraction(repr(self.retention[depth])) * length))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDecodeAttention:
+    """Sparse decode attention: at loop 2 a generated token's query keeps, per layer and query
+    head, the top b = min(n, max(1, ceil(key_retention * n))) of its n causal keys by
+    probability, their mass and weighted values and the full output (the reference state);
+    at loops 3 and beyond it attends to those keys alone and corrects with that state. Loop 2
+    is the reference (the algorithm's contract, not an option)."""
+
+    enabled: bool = False
+    key_retention: float = 0.10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"sparse_decode_attention.enabled must be true or false, got {self.enabled!r}")
+        r = self.key_retention
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r <= 1.0:
+            raise ConfigError(f"sparse_decode_attention.key_retention must lie in (0, 1] (the share of a query's "
+                              f"keys kept at loops 3 and beyond), got {r!r}")
+        object.__setattr__(self, "key_retention", float(r))
+
+    @classmethod
+    def parse(cls, value: Any) -> "SparseDecodeAttention":
+        """From None (off), a dict, a JSON object string, or an instance; `{}` is on with the defaults."""
+        return _parse_group(cls, "sparse_decode_attention", value)
+
+    def budget(self, n: int) -> int:
+        """Keys a query with n causal keys keeps (exact: the retention read as its decimal)."""
+        return min(n, max(1, math.ceil(Fraction(repr(self.key_retention)) * n)))
 
 
 RESIDUAL_POLICIES = ("serial", "execution")

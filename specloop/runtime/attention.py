@@ -31,6 +31,7 @@ from specloop.kernels.paged_attention import block_g, choose_splits, paged_atten
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.kv_residual import PackedResiduals
+from specloop.runtime.sparse_decode import DecodeReferences, SparseRows
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -88,15 +89,35 @@ class TorchMeta:
     singles: list[_Singles]
     groups: list[_Group]
     residual: _Readers | None = None
+    sparse: _Sparse | None = None
+
+
+@dataclasses.dataclass
+class _Sparse:
+    """Sparse decode attention's rows of a pass and what the reference state's kernels read."""
+
+    rows: SparseRows
+    tables: torch.Tensor
+    positions: torch.Tensor
+    table_offsets: torch.Tensor
+    token_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, lp: LoopPass) -> "_Sparse | None":
+        if lp.sparse is None:
+            return None
+        return cls(lp.sparse, lp.tables, lp.positions, lp.table_offsets, lp.token_slots)
 
 
 class TorchAttention:
     name = "torch"
     tile_rows = None
 
-    def __init__(self, kv: PagedKV, residuals: PackedResiduals | None = None) -> None:
+    def __init__(self, kv: PagedKV, residuals: PackedResiduals | None = None,
+                 references: DecodeReferences | None = None) -> None:
         self.kv = kv
         self.residuals = residuals
+        self.references = references
 
     def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TorchMeta:
         device, bs = lp.positions.device, lp.page_size
@@ -119,7 +140,7 @@ class TorchAttention:
         readers = None
         if lp.encode_plan is not None:
             readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
-        return TorchMeta(lp.write_slots, keep, singles, groups, readers)
+        return TorchMeta(lp.write_slots, keep, singles, groups, readers, _Sparse.of(lp))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
@@ -148,7 +169,7 @@ class TorchAttention:
             k_hat, v_hat = self.residuals.reconstruct(layer, cell, depth, span)
             sealed = res.positions[r][:, None] >= seal[None, :]  # [n, Lk]
             out[r] = _mixed_attention(q[r], keys, values, k_hat[0], v_hat[0], sealed, group.mask, scale)
-        return out
+        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=False)
 
     def _sealed(self, layer: int, cells: torch.Tensor, depths: torch.Tensor, keys_at: torch.Tensor,
                 queries_at: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -185,6 +206,7 @@ class TritonMeta:
     num_splits: int
     residual: _Readers | None = None
     table_offsets: torch.Tensor | None = None
+    sparse: _Sparse | None = None
 
 
 class TritonAttention:
@@ -198,9 +220,10 @@ class TritonAttention:
     SMALL_M, LARGE_M = 16, 64
 
     def __init__(self, kv: PagedKV, num_heads: int, num_kv_heads: int, device: torch.device,
-                 residuals: PackedResiduals | None = None) -> None:
+                 residuals: PackedResiduals | None = None, references: DecodeReferences | None = None) -> None:
         self.kv = kv
         self.residuals = residuals
+        self.references = references
         self.num_kv_heads = num_kv_heads
         g = block_g(num_heads, num_kv_heads)
         self.tile_rows = (max(1, self.SMALL_M // g), max(1, self.LARGE_M // g))
@@ -218,7 +241,8 @@ class TritonAttention:
                               readers, lp.table_offsets)
         if splits is None:  # eager: from this call's tiles and longest context
             splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
-        return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits)
+        return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
+                          sparse=_Sparse.of(lp))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
@@ -233,11 +257,25 @@ class TritonAttention:
             return out
         out, _ = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, meta.tiles,
                                  self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits)
+        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True)
+
+
+def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: torch.Tensor, out: torch.Tensor,
+                   sparse: _Sparse | None, use_triton: bool) -> torch.Tensor:
+    """The pass's generated-token rows of `out` as sparse decode attention gives them
+    (`DecodeReferences.attend`); `out` unchanged without such rows. The torch backend runs
+    the kernels' torch references, the Triton one the kernels."""
+    if sparse is None:
         return out
+    kv = backend.kv
+    return backend.references.attend(layer, sparse.rows, q, out, kv.k[layer], kv.v[layer], sparse.tables,
+                                     sparse.positions, sparse.table_offsets, sparse.token_slots, kv.page_size,
+                                     use_triton)
 
 
-def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int,
-                 num_kv_heads: int, residuals: PackedResiduals | None = None) -> AttentionBackend:
+def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, num_kv_heads: int,
+                 residuals: PackedResiduals | None = None,
+                 references: DecodeReferences | None = None) -> AttentionBackend:
     """The backend `name` asks for; "auto" picks Triton on CUDA and the torch reference on
     CPU (there Triton runs only under its interpreter, one program at a time)."""
     if name not in BACKENDS:
@@ -245,12 +283,12 @@ def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int,
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttention(kv, residuals)
+        return TorchAttention(kv, residuals, references)
 
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU, "
                           "for tests: slow)")
-    return TritonAttention(kv, num_heads, num_kv_heads, device, residuals)
+    return TritonAttention(kv, num_heads, num_kv_heads, device, residuals, references)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

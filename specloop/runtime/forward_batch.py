@@ -47,6 +47,7 @@ import torch
 
 from specloop.kernels.paged_attention import TILE_COLUMNS, query_tiles
 from specloop.plan import Draft, Plan, RowGroup, Sample, Verify, VerifyCandidate
+from specloop.runtime.sparse_decode import SparseRows
 
 HEAD_TYPES = (Sample, Draft, Verify, VerifyCandidate)  # the order heads run in: drafts before the
 # verifications that may read the request cell they write (token pipelines)
@@ -109,6 +110,7 @@ class LoopPass:
     num_splits: int | None = None  # split-KV fixed by the caller (a CUDA graph); None: the backend picks
     residual: ResidualPass | None = None  # INT4 residual planes on: what the pass may encode
     encode_plan: Any = None  # set by the runner before the backend builds (kv_residual.EncodePlan)
+    sparse: SparseRows | None = None  # sparse decode attention on: the pass's generated-token rows
 
     @functools.cached_property
     def write_slots(self) -> torch.Tensor:
@@ -277,7 +279,7 @@ class ForwardBatchBuilder:
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device, tile_rows: tuple[int, int] | None = None,
                  buckets: tuple[int, ...] = (), pad_slot: int = 0, window_slots: int = 0,
-                 residual_ints: int = 0, residual_tail: int | None = None) -> None:
+                 residual_ints: int = 0, residual_tail: int | None = None, sparse_decode: bool = False) -> None:
         """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles;
         `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
         `pad_slot`: the token slot padding rows name (a sink row of the slot storage);
@@ -286,7 +288,8 @@ class ForwardBatchBuilder:
         add (0: the format is off; on, each pass block holds its residual columns, and
         request cell `max_seqs` is the pad cell); `residual_tail`: the execution policy's
         tail (None: the serial policy), whose passes also look at the groups earlier passes
-        left full (`_backlog`)."""
+        left full (`_backlog`); `sparse_decode`: each pass lists its generated-token rows
+        (`SparseRows`: sources at depth 1, corrections deeper)."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
         self.page_size = page_size
@@ -298,6 +301,7 @@ class ForwardBatchBuilder:
         self.pad_table = self.max_tables  # the sink entry a graph's table buffer holds past every real one
         self.residual = residual_ints > 0
         self.residual_tail = residual_tail
+        self.sparse_decode = sparse_decode
         self.max_len = max_pages_per_seq * page_size
         # execution policy: per request cell, each plane's rows in the last pass that ran there
         # (groups they filled seal at a later pass, not their own)
@@ -306,7 +310,7 @@ class ForwardBatchBuilder:
         self.pad_cell = max_seqs  # what padding rows and cells of a pass name (INT4 residuals)
         block = max(self._layout(b, num_loops, min(b, max_seqs)).size for b in (max_rows, *self.buckets))
         ints = self.ROW_COLUMNS * max_rows + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables + num_loops * block
-        ints += window_slots + residual_ints
+        ints += window_slots + residual_ints + (num_loops * max_rows if sparse_decode else 0)
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -368,8 +372,10 @@ class ForwardBatchBuilder:
         shapes: list[list[GroupShape]] = [[] for _ in range(num_passes)]  # per pass
         plane_columns: list[list[int]] = [[] for _ in range(self.num_loops if plan.adaptive_exit else 0)]
         longest = _longest_tables(ordered)  # one table per (cell, plane): shorter ones are its prefixes
+        firsts: list[int] = []  # each ordered group's first row
         for group in ordered:
             n = group.num_rows
+            firsts.append(first)
             own = _table_offset(table_at, tables, longest, group.cell, group.depth)
             planes = [own] + [_table_offset(table_at, tables, longest, group.cell, plane)
                               for plane in range(group.depth + 1, group.depth + 1 + len(group.deeper_tables))]
@@ -422,6 +428,12 @@ class ForwardBatchBuilder:
             blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:]))
             ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns,
                                     cells, rp))
+        sparse_at = []  # per pass: (where its rows start in the upload, sources, corrections)
+        if self.sparse_decode:
+            for p in range(num_passes):
+                source, correction = _sparse_rows(ordered, firsts, p)
+                sparse_at.append((len(ints), len(source), len(correction)))
+                ints.extend(source + correction)
         window_at = len(ints)
         if windows:
             ints.extend(self._window_ints(windows))
@@ -438,6 +450,8 @@ class ForwardBatchBuilder:
         self._release_staging()
         batch = self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
                             host_groups, results)
+        for lp, (at, ns, nc) in zip(batch.passes, sparse_at):
+            lp.sparse = SparseRows(dev_ints[at: at + ns], dev_ints[at + ns: at + ns + nc])
         if windows:
             batch.windows = self._window_views(windows, dev_ints, window_at)
         if self.residual:
@@ -677,6 +691,21 @@ def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.d
         block[at: at + b + c] = pad_cell
         block[at + b + c:] = -1
     return block
+
+
+def _sparse_rows(ordered: list[RowGroup], firsts: list[int], p: int) -> tuple[list[int], list[int]]:
+    """Pass p's generated-token rows (positions at or past their group's `decode_from`):
+    those at depth 1 (sparse decode sources) and those deeper (corrections). A sparse
+    prefill window's rows are prompt rows."""
+    source: list[int] = []
+    correction: list[int] = []
+    for group, first in zip(ordered, firsts):
+        depth = group.depth + p
+        if group.loops <= p or depth < 1 or group.window is not None or group.end <= group.decode_from:
+            continue
+        skip = max(0, group.decode_from - group.start)
+        (source if depth == 1 else correction).extend(range(first + skip, first + group.num_rows))
+    return source, correction
 
 
 def _longest_tables(groups: list[RowGroup]) -> dict[tuple[int, int], list[int]]:

@@ -35,6 +35,7 @@ from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
 from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
 from specloop.runtime.slot_storage import SlotStorage
+from specloop.runtime.sparse_decode import DecodeReferences
 from specloop.plan import Plan, RowGroup, Sample, Verify
 
 
@@ -60,7 +61,7 @@ class Runner:
     def __init__(self, model: OuroModel, backend: AttentionBackend, batches: ForwardBatchBuilder,
                  num_token_slots: int, max_cells: int, exit_threshold: float, engine_seed: int,
                  heads: dict[type, DeviceHead] | None = None, token_sparse: TokenSparsePrefill | None = None,
-                 residuals: PackedResiduals | None = None) -> None:
+                 residuals: PackedResiduals | None = None, references: DecodeReferences | None = None) -> None:
         """The slot storage holds one extra slot, `num_token_slots`: the sink padding rows
         write (the forward batch's `pad_slot`)."""
         cfg = model.config
@@ -73,7 +74,8 @@ class Runner:
         self.batches = batches
         self.graphs: LoopGraphs | None = None  # set by `use_graphs`
         sparse = token_sparse is not None and token_sparse.active
-        self.slots = SlotStorage(num_token_slots + 1, cfg.hidden_size, model.dtype, self.device, keep_previous=sparse)
+        self.slots = SlotStorage(num_token_slots + 1, cfg.hidden_size, model.dtype, self.device, keep_previous=sparse,
+                                 references=references)
         self.next_token = torch.zeros(max_cells, dtype=torch.long, device=self.device)
         self.heads: dict[type, DeviceHead] = {Sample: SampleHead(), **(heads or {})}
         self.context = HeadContext(model, self.next_token, engine_seed)

@@ -90,7 +90,8 @@ class _PlanBuilder:
         return group
 
     def take_slots(self, n: int) -> list[int] | None:
-        slots = self._s.token_slots.take(n)
+        """Slots for n generated tokens (drafts, a pipeline's new live tokens)."""
+        slots = self._s.token_slots.take(n, decode=True)
         self.taken.extend(slots or ())
         return slots
 
@@ -105,8 +106,10 @@ class Scheduler:
     def __init__(
         self, kv: KVManager, num_loops: int, max_rows: int, max_seqs: int, num_token_slots: int,
         adaptive_exit: bool, speculation: Controller | None = None, preemption_mode: str = "recompute",
-        token_sparse: TokenSparsePrefill | None = None,
+        token_sparse: TokenSparsePrefill | None = None, decode_slots: int = 0,
     ) -> None:
+        """`decode_slots`: the token-slot sub-pool generated tokens take (sparse decode
+        attention's reference rooms, `TokenSlotPool`); 0: one pool for every token."""
         self.kv = kv
         self.num_loops = num_loops
         self.max_rows = max_rows
@@ -128,7 +131,7 @@ class Scheduler:
         self.swap_out: Callable[[Request], None] | None = None
         self.swap_in: Callable[[Request], bool] | None = None
         self._swapping: dict[int, int] = {}  # arrival -> pages of requests being swapped out
-        self.token_slots = TokenSlotPool(num_token_slots)
+        self.token_slots = TokenSlotPool(num_token_slots, decode_slots)
         self.cells = CellPool(max_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -385,9 +388,15 @@ class Scheduler:
         the sparse loops, so a window entered half-way could hold slots no one can free.
         `new_windows` False: only windows whose slots are taken already (an older request
         waits for the slots of its next one, and younger ones must not take them first)."""
-        if self.windows is None:
-            return min(rows, self.token_slots.num_free)
         prompt = len(req.prompt_ids)
+        if self.windows is None:
+            pool = self.token_slots
+            leading = min(rows, max(0, prompt - start))  # prompt positions, then generated ones
+            enter = min(leading, pool.free_for(False))
+            if enter < leading:
+                return enter
+            generated = pool.free_for(True) - (0 if pool.decode_size else enter)
+            return enter + min(rows - leading, generated)
         pos, end = start, start + rows
         while pos < min(end, prompt):
             w_start, w_end = self.windows.bounds(pos, prompt)
@@ -399,7 +408,7 @@ class Scheduler:
             pos = w_end
         tail = max(start, prompt)  # positions past the prompt (a replay): a fresh slot each
         if end > tail:
-            end = min(end, tail + self.token_slots.num_free)
+            end = min(end, tail + self.token_slots.free_for(True))
         return end - start
 
     def _entry_loops(self, req: Request, start: int, rows: int, budget: int) -> int:
@@ -450,7 +459,7 @@ class Scheduler:
         if depth == 0:
             self.kv.ensure(key, end)  # covered already (`_make_room`, `_admit`); raises if not
             fresh = [p for p in range(start, end) if p not in req.token_slots]
-            taken = slots if slots is not None else self.token_slots.take(len(fresh))
+            taken = slots if slots is not None else self._take(fresh, len(req.prompt_ids))
             for pos, slot in zip(range(start, end) if slots is not None else fresh, taken):
                 req.token_slots[pos] = slot
         rows = [req.token_slots[p] for p in range(start, end)]
@@ -486,7 +495,18 @@ class Scheduler:
         return RowGroup(request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, cell=req.cell,
                         depth=depth, start=start, end=end, token_ids=token_ids, token_slots=rows,
                         page_table=self.kv.page_table(key, depth)[:pages], deeper_tables=deeper, head=head,
-                        loops=loops, window=sparse, records=records)
+                        loops=loops, window=sparse, records=records, decode_from=len(req.prompt_ids))
+
+    def _take(self, positions: list[int], prompt: int) -> list[int]:
+        """Slots for entering `positions` (ascending): prompt positions from the general pool,
+        generated ones (a recompute's replay) from the decode sub-pool; the caller checked
+        that they are free (`_entry_rows`)."""
+        split = sum(p < prompt for p in positions)
+        general = self.token_slots.take(split)
+        decode = self.token_slots.take(len(positions) - split, decode=True)
+        if general is None or decode is None:
+            raise AssertionError(f"no token slots for positions {positions[0]}..{positions[-1]}")
+        return general + decode
 
     def committed(self, req: Request, commit: Commit) -> None:
         """A committed result of a speculating request: the controller says what to roll back;

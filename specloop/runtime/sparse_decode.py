@@ -1,0 +1,124 @@
+"""Sparse decode attention in the runtime: the loop-2 reference state of generated tokens,
+kept in their token slots, and the attention step that writes and reads it.
+
+A generated token's row (position at or past its request's prompt, `RowGroup.decode_from`)
+is a *source* at loop 2 (depth 1): it attends to every causal key as usual and also keeps,
+per layer and query head, the top-b keys of its probabilities, their mass m, C_ref and the
+full output O_ref (`specloop.kernels.sparse_decode`). At loops 3 and 4 (depths >= 2) the
+same token's row is a *correction*: it attends to its kept keys of that depth alone and
+outputs O_ref - C_ref + m * sum p V. Prompt rows stay dense.
+
+The state lives in the token's slot (`DecodeReferences`, indexed by token slot: generated
+tokens take their slots from the decode sub-pool of `TokenSlotPool`, the only slots with
+room for it). A token keeps its slot from loop 1 to its last loop, so the state survives
+between the calls of a token pipeline or a round's draft and verification, moves with the
+pipeline's survivors (nothing is copied: slots travel with the tokens in the plan), and a
+rejected token's slot is retired with it. `enter` marks a slot's state missing when a new
+token takes the slot; a source write marks it present. A correction row whose state is
+missing (which the scheduler's ordering never produces: a token's loop 2 always runs
+before its loop 3) takes the dense output computed for it and is counted in `fallbacks`,
+never consuming another token's state.
+
+What this first version does not do yet (the issue's matrix): the dense attention still
+runs for every row, sparse ones included, before their outputs are replaced (correct, not
+yet faster); INT4 residual planes, CUDA graphs and snapshots are refused at start-up with
+a capability error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specloop.kernels.sparse_decode import DecodeSource, decode_correction, decode_source, key_budget
+
+
+@dataclasses.dataclass
+class SparseRows:
+    """A loop pass's generated-token rows: `source` (depth 1) and `correction` (depth >= 2)
+    batch rows, [Ns] and [Nc] long on the device."""
+
+    source: torch.Tensor
+    correction: torch.Tensor
+
+
+class DecodeReferences:
+    """Reference state of the decode slots [0, num_slots): per slot, layer and query head the
+    kept keys (int32, rank order, -1 past the count), the count (per slot: it depends on
+    the position alone), m, O_ref and C_ref (fp32; fp64 for an fp64 model), and whether
+    the slot's state was written for its current token (`present`, per layer)."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
+                 key_retention: float, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.key_retention = key_retention
+        self.max_context = max_context
+        self.capacity = key_budget(max_context, key_retention)
+        acc = torch.promote_types(dtype, torch.float32)
+        self.keys = torch.full((num_slots, num_layers, num_heads, self.capacity), -1, dtype=torch.int32,
+                               device=device)
+        self.count = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.mass = torch.zeros(num_slots, num_layers, num_heads, dtype=acc, device=device)
+        self.o_ref = torch.zeros(num_slots, num_layers, num_heads, head_dim, dtype=acc, device=device)
+        self.c_ref = torch.zeros_like(self.o_ref)
+        self.present = torch.zeros(num_slots, num_layers, dtype=torch.bool, device=device)
+        self.fallbacks = torch.zeros((), dtype=torch.long, device=device)  # correction rows served dense
+
+    @staticmethod
+    def nbytes(num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
+               key_retention: float, dtype: torch.dtype) -> int:
+        """Device bytes of the state for `num_slots` slots (what the KV budget leaves room for)."""
+        acc = torch.promote_types(dtype, torch.float32).itemsize
+        per_head = key_budget(max_context, key_retention) * 4 + acc * (1 + 2 * head_dim)
+        return num_slots * (num_layers * (num_heads * per_head + 1) + 4)
+
+    def enter(self, slots: torch.Tensor) -> None:
+        """Tokens entering loop 1 in `slots`: a decode slot's state is missing until its
+        token's loop 2 writes it (other slots hold none)."""
+        decode = slots[slots < self.num_slots]
+        self.present.index_fill_(0, decode, False)
+
+    def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, table_offsets: torch.Tensor,
+               token_slots: torch.Tensor, page_size: int, use_triton: bool) -> torch.Tensor:
+        """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
+        tokens' rows replaced: sources keep their state and output O_ref, corrections output
+        the corrected attention where their state is present. One layer; no host sync."""
+        if rows.source.numel():
+            self._source(layer, rows.source, q, out, k_cache, v_cache, tables, positions, table_offsets,
+                         token_slots, page_size, use_triton)
+        if rows.correction.numel():
+            self._correct(layer, rows.correction, q, out, k_cache, v_cache, tables, positions, table_offsets,
+                          token_slots, page_size, use_triton)
+        return out
+
+    def _source(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, table_offsets: torch.Tensor,
+                token_slots: torch.Tensor, page_size: int, use_triton: bool) -> None:
+        src = decode_source(q[r].contiguous(), k_cache, v_cache, tables, positions[r].contiguous(),
+                            table_offsets[r].contiguous(), page_size, self.key_retention, self.capacity,
+                            max_context=self.max_context, use_triton=use_triton)
+        slots = token_slots[r]
+        self.keys[slots, layer] = src.keys
+        self.count[slots] = src.count
+        self.mass[slots, layer] = src.mass.to(self.mass.dtype)
+        self.o_ref[slots, layer] = src.o_ref.to(self.o_ref.dtype)
+        self.c_ref[slots, layer] = src.c_ref.to(self.c_ref.dtype)
+        self.present[slots, layer] = True
+        out[r] = src.out
+
+    def _correct(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, table_offsets: torch.Tensor,
+                 token_slots: torch.Tensor, page_size: int, use_triton: bool) -> None:
+        slots = token_slots[r]
+        present = self.present[slots, layer]
+        count = torch.where(present, self.count[slots], 0)  # a missing state is never read
+        source = DecodeSource(self.keys[slots, layer], count, self.mass[slots, layer], self.o_ref[slots, layer],
+                              self.c_ref[slots, layer], out[r])
+        at = torch.where(present, positions[r], -1).contiguous()
+        corrected = decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, table_offsets[r].contiguous(),
+                                      page_size, source, out=out[r].contiguous(), use_triton=use_triton)
+        out[r] = corrected
+        if layer == 0:
+            self.fallbacks += (~present).sum()

@@ -1,0 +1,246 @@
+"""Sparse decode attention in the engine against the FlashLoop reference (fp32, CPU).
+
+The reference (`flashloop_reference`, `SparseDecode`) recomputes every loop over the whole
+sequence, so one forward over prompt + emitted tokens gives the logits every emitted token
+was sampled from: the engine's tokens must equal the reference's greedy tokens, and every
+logprob it reports must equal the reference's for that token within 1e-5, in every
+execution mode (plain, adaptive exit, block rounds at draft depths 1 and 2, token
+pipelines), through the torch backend and (interpreter) the Triton kernels, with token-
+sparse prefill on as well, and across recompute preemption. Key retention 0.3 on prompts
+of 5 to 41 tokens keeps 2 to 15 keys, so the outputs differ from dense decoding (checked).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specloop.checkpoint import load_model
+from specloop.engine.config import EngineConfig
+from specloop.engine.core import EngineCore
+from specloop.engine.snapshot import SnapshotError
+from specloop.errors import ConfigError
+from specloop.flashloop.config import SparseDecodeAttention
+from specloop.kernels.sparse_decode import key_budget
+from specloop.model.flashloop_reference import FlashLoopFeatures, SparseDecode, SparsePrefill, flashloop_forward
+from specloop.plan import RowGroup
+from specloop.runtime.forward_batch import _sparse_rows
+from specloop.runtime.sparse_decode import DecodeReferences, SparseRows
+from specloop.sampling_params import SamplingParams
+from specloop.scheduling.token_slots import TokenSlotPool
+from tests.conftest import weights_of
+from tests.engine_runs import MODES
+
+RETENTION = 0.3
+MAX_TOKENS = 8
+_g = torch.Generator().manual_seed(3)
+PROMPTS = [torch.randint(3, 200, (n,), generator=_g).tolist() for n in (33, 5, 17, 41)]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+SPARSE_PREFILL = {"window": 8, "retention": [1.0, 1.0, 0.5, 0.25]}
+
+
+def _engine(ckpt, **kw) -> EngineCore:
+    return EngineCore(EngineConfig.from_kwargs(
+        str(ckpt), device="cpu", dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4,
+        sparse_decode_attention={"key_retention": RETENTION}, **kw))
+
+
+def _run(engine: EngineCore, prompts, params=GREEDY) -> dict[str, tuple[list[int], list[float]]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            tokens, logprobs = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    assert int(engine.executor.runner.slots.references.fallbacks) == 0, "a correction found no reference state"
+    return out
+
+
+def _features(sparse_decode: bool = True, sparse_prefill: bool = False) -> FlashLoopFeatures:
+    return FlashLoopFeatures(
+        token_sparse_prefill=SparsePrefill(**SPARSE_PREFILL) if sparse_prefill else None,
+        sparse_decode=SparseDecode(key_retention=RETENTION) if sparse_decode else None)
+
+
+def _reference_logprobs(ckpt, prompt: list[int], tokens: list[int], feats: FlashLoopFeatures,
+                        exit_threshold: float | None = None) -> torch.Tensor:
+    """[T, V] log-probabilities the reference gives each emitted token's position."""
+    model, _ = load_model(ckpt, dtype=torch.float32)
+    ids = torch.tensor(prompt + tokens[:-1])
+    logits = flashloop_forward(weights_of(model), model.config, ids, len(prompt), feats, exit_threshold).logits
+    return torch.log_softmax(logits[len(prompt) - 1:].double(), -1)
+
+
+def _check(ckpt, got, prompts=PROMPTS, greedy: bool = True, sparse_prefill: bool = False,
+           exit_threshold: float | None = None) -> None:
+    """Every emitted token's logprob equals the reference's; greedy tokens are its argmax;
+    somewhere the outputs differ from dense decoding's."""
+    differs = False
+    for i, prompt in enumerate(prompts):
+        tokens, logprobs = got[f"r{i}"]
+        assert len(tokens) == MAX_TOKENS
+        want = _reference_logprobs(ckpt, prompt, tokens, _features(True, sparse_prefill), exit_threshold)
+        picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-5, rtol=1e-5)
+        if greedy:
+            assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
+        dense = _reference_logprobs(ckpt, prompt, tokens, _features(False, sparse_prefill), exit_threshold)
+        differs |= bool((dense - want).abs().max() > 1e-3)
+    assert differs, "sparse decode attention changed nothing: the test cannot tell it from dense"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_the_reference_in_every_mode(any_ckpt, mode):
+    """Plain decoding, adaptive exit, block rounds (draft depth 1: the verifier's loop 2 is
+    the source; 2: the draft's), token pipelines: the reference's tokens and logprobs."""
+    options = MODES[mode]
+    got = _run(_engine(any_ckpt, **options), PROMPTS)
+    _check(any_ckpt, got, exit_threshold=options.get("exit_threshold"))
+
+
+@pytest.mark.parametrize("mode", ["plain", "block-d2", "pipeline-d1"])
+def test_seeded_sampling_reads_the_reference_distribution(tiny_ckpt, mode):
+    """Sampled tokens (seeded, temperature 0.8): each reported logprob is the reference's
+    for that token (the distribution sampled from is sparse decoding's, scaled)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11, ignore_eos=True, logprobs=True)
+    got = _run(_engine(tiny_ckpt, **MODES[mode]), PROMPTS[:2], params)
+    _check(tiny_ckpt, got, PROMPTS[:2], greedy=False)
+
+
+@pytest.mark.parametrize("mode", ["plain", "block-d1", "pipeline-d2"])
+def test_with_token_sparse_prefill(tiny_ckpt, mode):
+    """Both lazy updates: sparse prompt loops, then sparse decode queries."""
+    got = _run(_engine(tiny_ckpt, token_sparse_prefill=SPARSE_PREFILL, **MODES[mode]), PROMPTS)
+    _check(tiny_ckpt, got, sparse_prefill=True)
+
+
+def test_recompute_preemption_resumes_exactly(tiny_ckpt):
+    """A preempted request re-enters its generated tokens as a replay: they stay generated-
+    token queries (sources and corrections), so it resumes on the reference's tokens."""
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=6)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    step = preempted = 0
+    while engine.has_unfinished():
+        running = [r for r in engine.scheduler.running if r.output_ids and r.num_preemptions < 2]
+        if running and step % 5 == 2:
+            engine.scheduler.preempt(running[0])
+            preempted += 1
+        for o in engine.step():
+            assert o.error is None, o.error
+            tokens, logprobs = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+        step += 1
+        assert step < 2000
+    assert preempted >= 3
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    _check(tiny_ckpt, out)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter needs TRITON_INTERPRET before triton "
+                    "loads; the GPU suite runs the compiled kernels")
+@pytest.mark.parametrize("mode", ["plain", "block-d2"])
+def test_triton_kernels_under_the_interpreter(tiny_ckpt, mode, monkeypatch):
+    """The Triton backend runs the source and correction kernels (device top-b selection)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = _run(_engine(tiny_ckpt, attention_backend="triton", **MODES[mode]), PROMPTS[:2])
+    _check(tiny_ckpt, got, PROMPTS[:2])
+
+
+def test_unsupported_combinations_are_refused(tiny_ckpt):
+    with pytest.raises(ConfigError, match="kv_residual_quantization"):
+        _engine(tiny_ckpt, kv_residual_quantization={})
+    with pytest.raises(ConfigError, match="swap"):
+        _engine(tiny_ckpt, preemption_mode="swap")
+    engine = _engine(tiny_ckpt)
+    engine.add_request("r0", PROMPTS[1], GREEDY)
+    engine.step()
+    with pytest.raises(SnapshotError, match="reference state"):
+        engine.snapshot("r0")
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"key_retention": 0.0}, "key_retention must lie in"),
+    ({"key_retention": 1.5}, "key_retention must lie in"),
+    ({"key_retention": True}, "key_retention must lie in"),
+    ({"enabled": "yes"}, "enabled must be true or false"),
+    ({"retention": 0.1}, "has no option 'retention'"),
+    ("{not json", "must be a JSON object"),
+])
+def test_configuration_errors_are_one_line(value, message):
+    with pytest.raises(ConfigError, match=message):
+        SparseDecodeAttention.parse(value)
+
+
+def test_defaults_budgets_and_summary():
+    assert not SparseDecodeAttention().enabled
+    group = SparseDecodeAttention.parse("{}")
+    assert group.enabled and group.key_retention == 0.10
+    assert [group.budget(n) for n in (1, 9, 10, 11, 30, 31)] == [key_budget(n, 0.1) for n in (1, 9, 10, 11, 30, 31)]
+    assert group.budget(30) == 3  # exact: not the float product's 4
+    summary = EngineConfig(model="m", sparse_decode_attention={"key_retention": 0.25}).summary()
+    assert summary["sparse_decode_attention"] == {"enabled": True, "key_retention": 0.25}
+
+
+def test_generated_tokens_take_the_decode_sub_pool():
+    """Prompt tokens never take a decode slot, generated ones only decode slots; released
+    slots go back to their own pool; all or nothing per pool."""
+    pool = TokenSlotPool(10, decode_size=3)
+    assert pool.free_for(True) == 3 and pool.free_for(False) == 7 and pool.num_free == 10
+    prompt = pool.take(7)
+    assert min(prompt) >= 3
+    assert pool.take(1) is None
+    generated = pool.take(3, decode=True)
+    assert sorted(generated) == [0, 1, 2] and pool.take(1, decode=True) is None
+    pool.finish(generated[:2])
+    pool.release(generated[:2])
+    assert pool.free_for(True) == 2 and pool.free_for(False) == 0
+    assert pool.take(3, decode=True) is None and pool.free_for(True) == 2
+    plain = TokenSlotPool(4)  # no sub-pool: one pool for every token
+    assert plain.take(2, decode=True) == [0, 1] and plain.free_for(False) == 2
+
+
+def _group(depth: int, start: int, end: int, decode_from: int, loops: int = 1) -> RowGroup:
+    return RowGroup("r", 0, 0, 0, depth, start, end, None, list(range(start, end)), [], loops=loops,
+                    decode_from=decode_from)
+
+
+def test_sparse_rows_of_each_pass():
+    """Sources: generated positions at depth 1; corrections: deeper; prompt rows neither."""
+    ordered = [_group(0, 12, 13, 10, loops=4),  # a decode token through every loop: rows 0
+               _group(1, 6, 12, 10),  # a replay chunk crossing the prompt's end at depth 1: rows 1..6
+               _group(2, 3, 9, 10)]  # prompt rows only: rows 7..12
+    firsts = [0, 1, 7]
+    assert _sparse_rows(ordered, firsts, 0) == ([5, 6], [])  # positions 10, 11 of the chunk
+    assert _sparse_rows(ordered, firsts, 1) == ([0], [])
+    assert _sparse_rows(ordered, firsts, 2) == ([], [0])
+    assert _sparse_rows(ordered, firsts, 3) == ([], [0])
+
+
+def test_a_missing_reference_is_never_read():
+    """A correction row whose slot's state was not written for its token (marked missing
+    at entry) keeps the dense output it came with and is counted."""
+    refs = DecodeReferences(4, 1, 2, 8, 16, 0.5, torch.float32, torch.device("cpu"))
+    k = torch.randn(32, 1, 8)
+    v = torch.randn(32, 1, 8)
+    tables = torch.arange(8)
+    q = torch.randn(1, 2, 8)
+    dense = torch.randn(1, 2, 8)
+    rows = SparseRows(torch.zeros(0, dtype=torch.long), torch.tensor([0]))
+    args = (k, v, tables, torch.tensor([9]), torch.tensor([0]), torch.tensor([2]), 4, False)
+    refs.enter(torch.tensor([2]))
+    out = refs.attend(0, rows, q, dense.clone(), *args)
+    assert torch.equal(out, dense) and int(refs.fallbacks) == 1
+    source = SparseRows(torch.tensor([0]), torch.zeros(0, dtype=torch.long))
+    refs.attend(0, source, q, dense.clone(), *args)  # loop 2 writes the state
+    out = refs.attend(0, rows, q, dense.clone(), *args)
+    assert not torch.equal(out, dense) and int(refs.fallbacks) == 1
+    refs.enter(torch.tensor([2, 7]))  # a new token in slot 2 (7: not a decode slot)
+    assert not bool(refs.present[2].any())
