@@ -165,6 +165,11 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("specloop_prefill_rows_skipped", "Prompt token-loops that token-sparse prefill "
                                   "planned to leave out (the token keeps its previous state).",
                                   s.prefill_rows_skipped)
+        yield CounterMetricFamily("specloop_sparse_decode_fallbacks", "Generated-token rows at loops 3+ that found "
+                                  "no loop-2 reference state and attended densely (sparse_decode_attention).",
+                                  s.sparse_decode_fallbacks)
+        yield GaugeMetricFamily("specloop_sparse_decode_reference_bytes", "Device bytes of the decode slots' "
+                                "loop-2 reference state (sparse_decode_attention).", s.sparse_decode_reference_bytes)
         yield CounterMetricFamily("specloop_spec_decode_num_drafts", "Speculation rounds committed.", s.num_drafts)
         yield CounterMetricFamily("specloop_spec_decode_num_draft_tokens", "Draft tokens proposed.",
                                   s.num_draft_tokens)

@@ -290,3 +290,5 @@ def test_metrics_contents(server):
         assert f"# TYPE {gauge} gauge" in text
     assert metric(text, "specloop_kv_cache_pages") > 0
     assert metric(text, "specloop_engine_alive") == 1
+    assert metric(text, "specloop_sparse_decode_fallbacks_total") == 0  # off: no state, nothing served dense
+    assert metric(text, "specloop_sparse_decode_reference_bytes") == 0

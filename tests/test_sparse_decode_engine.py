@@ -40,9 +40,9 @@ SPARSE_PREFILL = {"window": 8, "retention": [1.0, 1.0, 0.5, 0.25]}
 
 
 def _engine(ckpt, **kw) -> EngineCore:
+    kw.setdefault("sparse_decode_attention", {"key_retention": RETENTION})
     return EngineCore(EngineConfig.from_kwargs(
-        str(ckpt), device="cpu", dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4,
-        sparse_decode_attention={"key_retention": RETENTION}, **kw))
+        str(ckpt), device="cpu", dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4, **kw))
 
 
 def _run(engine: EngineCore, prompts, params=GREEDY) -> dict[str, tuple[list[int], list[float]]]:
@@ -152,6 +152,22 @@ def test_triton_kernels_under_the_interpreter(tiny_ckpt, mode, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = _run(_engine(tiny_ckpt, attention_backend="triton", **MODES[mode]), PROMPTS[:2])
     _check(tiny_ckpt, got, PROMPTS[:2])
+
+
+def test_stats_report_the_group_and_its_state(tiny_ckpt):
+    """The reference state's bytes (as `DecodeReferences.nbytes` budgets them), the group and
+    the fallback count reach `stats()`; `/metrics` exports them (test_server)."""
+    engine = _engine(tiny_ckpt)
+    _run(engine, PROMPTS[:1])
+    stats, refs = engine.stats(), engine.executor.runner.slots.references
+    cfg = engine.model.config
+    assert stats.sparse_decode_attention == {"enabled": True, "key_retention": RETENTION}
+    assert stats.sparse_decode_fallbacks == 0
+    assert stats.sparse_decode_reference_bytes == refs.nbytes_held == DecodeReferences.nbytes(
+        refs.num_slots, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, engine.max_model_len,
+        RETENTION, torch.float32) > 0
+    assert refs.num_slots == engine.scheduler.token_slots.decode_size == engine.config.max_num_seqs * 3
+    assert _engine(tiny_ckpt, sparse_decode_attention=None).stats().sparse_decode_reference_bytes == 0
 
 
 def test_unsupported_combinations_are_refused(tiny_ckpt):

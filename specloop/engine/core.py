@@ -85,6 +85,10 @@ class EngineStats:
     kv_records_free: int = 0
     kv_bytes_per_request: dict[str, int] = dataclasses.field(default_factory=dict)  # running requests: pages
     # and records they hold
+    sparse_decode_attention: dict[str, Any] = dataclasses.field(default_factory=dict)  # the effective group
+    sparse_decode_fallbacks: int = 0  # corrections that found no reference state and ran dense (as of the
+    # last completed call)
+    sparse_decode_reference_bytes: int = 0  # device bytes of the decode slots' reference state
 
 
 def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loops: int, num_token_slots: int) -> int:
@@ -474,6 +478,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         m = self.metrics
         records, held = self.kv.records, set(self.kv.requests())
+        refs = self.executor.runner.slots.references
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
                            m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions,
@@ -482,7 +487,10 @@ class EngineCore:
                            records.total_bytes_used if records is not None else 0,
                            records.num_free if records is not None else 0,
                            {r.request_id: self.kv.bytes_used(r.kv_key) for r in self.scheduler.running
-                            if r.kv_key in held})
+                            if r.kv_key in held},
+                           sparse_decode_attention=group_summary(self.config.sparse_decode_attention),
+                           sparse_decode_fallbacks=int(refs.fallbacks_host) if refs is not None else 0,
+                           sparse_decode_reference_bytes=refs.nbytes_held if refs is not None else 0)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

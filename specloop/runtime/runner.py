@@ -128,6 +128,8 @@ class Runner:
             if w.head:  # samples from its state, run here or not (slices: a 0-d device index reads back)
                 last = w.first + w.rows
                 final[last - 1: last] = slots.hidden[w.window_slots[-1:]]
+        if slots.references is not None:
+            slots.references.publish()  # before the heads record the ticket's event
         released = None  # copied before the heads record the ticket's event
         if batch.release is not None and batch.release.span > 0:
             released = _to_host(self._releasable(batch.release), self._pin)

@@ -64,6 +64,10 @@ class DecodeReferences:
         self.c_ref = torch.zeros_like(self.o_ref)
         self.present = torch.zeros(num_slots, num_layers, dtype=torch.bool, device=device)
         self.fallbacks = torch.zeros((), dtype=torch.long, device=device)  # correction rows served dense
+        # Its host copy, refreshed behind each call's work (`publish`): stats never wait on the device.
+        self.fallbacks_host = torch.zeros((), dtype=torch.long, pin_memory=device.type == "cuda")
+        self.nbytes_held = sum(t.numel() * t.element_size()
+                               for t in (self.keys, self.count, self.mass, self.o_ref, self.c_ref, self.present))
 
     @staticmethod
     def nbytes(num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
@@ -72,6 +76,11 @@ class DecodeReferences:
         acc = torch.promote_types(dtype, torch.float32).itemsize
         per_head = key_budget(max_context, key_retention) * 4 + acc * (1 + 2 * head_dim)
         return num_slots * (num_layers * (num_heads * per_head + 1) + 4)
+
+    def publish(self) -> None:
+        """Copy the fallback count to the host behind the call's work (complete once the
+        call's ticket is)."""
+        self.fallbacks_host.copy_(self.fallbacks, non_blocking=True)
 
     def enter(self, slots: torch.Tensor) -> None:
         """Tokens entering loop 1 in `slots`: a decode slot's state is missing until its
