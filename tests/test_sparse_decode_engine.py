@@ -119,10 +119,14 @@ def test_with_token_sparse_prefill(tiny_ckpt, mode):
     _check(tiny_ckpt, got, sparse_prefill=True)
 
 
-def test_recompute_preemption_resumes_exactly(tiny_ckpt):
-    """A preempted request re-enters its generated tokens as a replay: they stay generated-
-    token queries (sources and corrections), so it resumes on the reference's tokens."""
-    engine = _engine(tiny_ckpt, max_num_batched_tokens=6)
+@pytest.mark.parametrize("policy, mode", [("recompute", "plain"), ("recompute", "pipeline-d1"),
+                                          ("swap", "plain"), ("swap", "pipeline-d1"), ("swap", "block-d2")])
+def test_preemption_resumes_exactly(tiny_ckpt, policy, mode):
+    """Recompute: a preempted request re-enters its generated tokens as a replay, and they
+    stay generated-token queries (sources and corrections). Swap: the snapshot carries the
+    live generated tokens' reference state (a pipeline's tokens between loops 2 and 3 need
+    it). Either way the request resumes on the reference's tokens, with no fallback."""
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=6, preemption_mode=policy, **MODES[mode])
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
     out: dict[str, tuple[list[int], list[float]]] = {}
@@ -141,7 +145,35 @@ def test_recompute_preemption_resumes_exactly(tiny_ckpt):
         assert step < 2000
     assert preempted >= 3
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    assert int(engine.executor.runner.slots.references.fallbacks) == 0
     _check(tiny_ckpt, out)
+
+
+@pytest.mark.parametrize("mode", ["pipeline-d1", "block-d2"])
+def test_snapshot_restores_live_reference_state(tiny_ckpt, mode):
+    """A snapshot taken while generated tokens sit between loops (their reference state
+    written, not yet read) restores into another engine, which finishes on the reference's
+    tokens without a fallback; a restoring engine with another key retention refuses it."""
+    engine = _engine(tiny_ckpt, **MODES[mode])
+    engine.add_request("r0", PROMPTS[0], GREEDY)
+    for _ in range(40):
+        engine.step()
+        snap = engine.snapshot("r0")  # the request runs on
+        if snap.data["references"]["present"].any() and snap.data["request"]["output_ids"]:
+            break
+    assert snap.data["references"]["present"].any(), "no live generated token past loop 2 to carry"
+    emitted = list(snap.data["request"]["output_ids"])
+    engine.abort("r0")
+    with pytest.raises(SnapshotError, match="sparse_decode_attention"):
+        _engine(tiny_ckpt, sparse_decode_attention={"key_retention": 0.5}, **MODES[mode]).restore(snap)
+    other = _engine(tiny_ckpt, **MODES[mode])
+    other.restore(type(snap).from_bytes(snap.to_bytes()))
+    tokens = emitted[:]
+    for o in other.drain():
+        tokens.extend(o.token_ids)
+    assert int(other.executor.runner.slots.references.fallbacks) == 0
+    want = _reference_logprobs(tiny_ckpt, PROMPTS[0], tokens, _features())
+    assert tokens == want.argmax(-1).tolist()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter needs TRITON_INTERPRET before triton "
@@ -173,13 +205,6 @@ def test_stats_report_the_group_and_its_state(tiny_ckpt):
 def test_unsupported_combinations_are_refused(tiny_ckpt):
     with pytest.raises(ConfigError, match="kv_residual_quantization"):
         _engine(tiny_ckpt, kv_residual_quantization={})
-    with pytest.raises(ConfigError, match="swap"):
-        _engine(tiny_ckpt, preemption_mode="swap")
-    engine = _engine(tiny_ckpt)
-    engine.add_request("r0", PROMPTS[1], GREEDY)
-    engine.step()
-    with pytest.raises(SnapshotError, match="reference state"):
-        engine.snapshot("r0")
 
 
 @pytest.mark.parametrize("value, message", [

@@ -251,8 +251,6 @@ class EngineCore:
             unsupported.append("kv_residual_quantization (the correction reads BF16 pages only)")
         if device.type == "cuda" and not cfg.enforce_eager and cfg.attention_backend != "torch":
             unsupported.append("CUDA graphs (set enforce_eager)")
-        if cfg.preemption_mode == "swap":
-            unsupported.append("preemption_mode swap (snapshots do not carry the reference state; use recompute)")
         if unsupported:
             raise ConfigError("sparse_decode_attention does not support yet: " + "; ".join(unsupported))
         per_request = speculation.rows_per_request if speculation is not None else 1
@@ -423,8 +421,6 @@ class EngineCore:
         self._check_alive()
         if request_id not in self.requests:
             raise InvalidRequestError(f"no request {request_id!r} to snapshot", param="request_id")
-        if self.config.sparse_decode_attention.enabled:
-            raise SnapshotError("snapshots do not carry sparse decode attention's reference state yet")
         try:
             self._pending.extend(self._quiesce())
         except BaseException as exc:
@@ -440,8 +436,6 @@ class EngineCore:
         """Resume a request from its snapshot, where it was: a refused restore (SnapshotError:
         another format version or configuration, its ID in use, no room) changes nothing."""
         self._check_alive()
-        if self.config.sparse_decode_attention.enabled:
-            raise SnapshotError("snapshots do not carry sparse decode attention's reference state yet")
         check_snapshot(self, snapshot)
         install_snapshot(self, snapshot)
 

@@ -23,6 +23,9 @@ weights-only unpickler, so a snapshot file cannot run code):
 - `slots`: the contents of its live token slots (hidden, exit state, depth, candidate,
   and for token-sparse prefill the previous hidden state and the selection mark),
   by position, and how many slots its round holds for rows not drafted yet;
+- `references` (sparse_decode_attention): the loop-2 reference state of its live
+  generated tokens (kept keys cut to the largest count, count, m, O_ref, C_ref, which
+  layers hold it), by position; they restore into decode slots;
 - `cell`: its request cell's next token and, with speculation, its draft buffer;
 - `detokenizer`: the incremental detokenizer's state.
 
@@ -56,11 +59,13 @@ if TYPE_CHECKING:
     from specloop.scheduling.residual_records import ResidualRecords
 
 FORMAT = "specloop.request-snapshot"
-VERSION = 5  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
+VERSION = 6  # 2: token-sparse prefill state (slots' previous hidden and selection, window rows);
 # 3: INT4 residual planes (records, compact row maps, counters, released tail pages);
 # 4: residual records counted per plane (token-sparse planes hold fewer);
 # 5: `kv` holds only the pages not given back, per plane (a list), and how many were
+# 6: sparse decode attention's reference state of the live generated tokens (`references`)
 SLOT_FIELDS = SlotStorage.CARRIED
+REFERENCE_FIELDS = ("keys", "count", "mass", "o_ref", "c_ref", "present")  # `DecodeReferences` per slot
 
 
 class SnapshotError(SpecloopError):
@@ -122,6 +127,7 @@ def engine_fingerprint(core: "EngineCore") -> dict[str, Any]:
         "seed": cfg.seed,
         "token_sparse_prefill": group_summary(cfg.token_sparse_prefill),
         "kv_residual_quantization": group_summary(cfg.kv_residual_quantization),
+        "sparse_decode_attention": group_summary(cfg.sparse_decode_attention),
     }
 
 
@@ -137,8 +143,9 @@ def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
         if core.executor.runner.residuals is not None:
             residual = _capture_residual(core, req)
         kv, slots, cell = _capture_kv(core, req), _capture_slots(core, req), _capture_cell(core, req)
+        references = _capture_references(core, req)
     else:  # waiting (new or preempted by recompute): nothing on the device yet
-        kv, slots, cell = None, None, None
+        kv, slots, cell, references = None, None, None, None
     data = {
         "format": FORMAT,
         "version": VERSION,
@@ -149,6 +156,7 @@ def capture(core: "EngineCore", req: Request) -> RequestSnapshot:
         "slots": slots,
         "cell": cell,
         "residual": residual,
+        "references": references,
         "detokenizer": core._detok[req.request_id].state(),
     }
     return RequestSnapshot(data)
@@ -248,6 +256,25 @@ def _capture_slots(core: "EngineCore", req: Request) -> dict[str, Any]:
     return {name: getattr(storage, name)[index].cpu() for name in SLOT_FIELDS}
 
 
+def _generated(req: Request, positions: list[int]) -> list[int]:
+    """The live positions of generated tokens (they hold decode slots)."""
+    return [p for p in positions if p >= len(req.prompt_ids)]
+
+
+def _capture_references(core: "EngineCore", req: Request) -> dict[str, Any] | None:
+    """Sparse decode attention's state of the live generated tokens, in position order (None:
+    the feature is off); keys cut to the largest count."""
+    refs = core.executor.runner.slots.references
+    if refs is None:
+        return None
+    positions = _generated(req, sorted(req.token_slots))
+    index = torch.tensor([req.token_slots[p] for p in positions], dtype=torch.long, device=refs.keys.device)
+    out = {name: getattr(refs, name)[index].cpu() for name in REFERENCE_FIELDS}
+    width = int(out["count"].max()) if positions else 0
+    out["keys"] = out["keys"][..., :width].contiguous()
+    return out
+
+
 def _capture_cell(core: "EngineCore", req: Request) -> dict[str, Any]:
     runner = core.executor.runner
     cell: dict[str, Any] = {"next_token": _copy(runner.next_token[req.cell])}
@@ -293,11 +320,24 @@ def check(core: "EngineCore", snap: RequestSnapshot, replacing: Request | None =
     pages = sum(data["kv"]["pages_per_plane"] - r for r in data["kv"]["released"])
     held = data["request"]["round"] or {}
     spare = (held.get("slots") or 0) if held.get("kind") == "round" else 0
-    slots = len(data["request"]["live_positions"]) + spare
+    live = data["request"]["live_positions"]
+    generated = sum(p >= len(data["request"]["prompt_ids"]) for p in live) + spare  # drafts too
     if pages > kvm.num_available_pages:
         raise SnapshotError(f"restoring {rid!r} needs {pages} KV pages; {kvm.num_available_pages} are free")
-    if slots > sched.token_slots.num_free:
-        raise SnapshotError(f"restoring {rid!r} needs {slots} token slots; {sched.token_slots.num_free} are free")
+    pool = sched.token_slots
+    if pool.decode_size:
+        need = [(len(live) + spare - generated, pool.free_for(False), ""),
+                (generated, pool.free_for(True), " for generated tokens")]
+    else:
+        need = [(len(live) + spare, pool.num_free, "")]
+    for n, free, kind in need:
+        if n > free:
+            raise SnapshotError(f"restoring {rid!r} needs {n} token slots{kind}; {free} are free")
+    refs = data.get("references")
+    ours = core.executor.runner.slots.references
+    if refs is not None and refs["keys"].shape[-1] > ours.capacity:
+        raise SnapshotError(f"restoring {rid!r} needs {refs['keys'].shape[-1]} kept keys per head; this "
+                            f"engine's max_model_len keeps at most {ours.capacity}")
     res = data.get("residual")
     if (res is None) != (kvm.records is None):
         raise SnapshotError(f"the snapshot of {rid!r} {'lacks' if res is None else 'holds'} INT4 residual planes "
@@ -336,15 +376,21 @@ def install(core: "EngineCore", snap: RequestSnapshot) -> Request:
         sched.waiting.appendleft(req)
     else:
         held = r["round"].get("slots") if r["round"] and r["round"]["kind"] == "round" else None
-        taken = sched.token_slots.take(len(r["live_positions"]) + (held or 0)) or []
-        live, spare = taken[:len(r["live_positions"])], taken[len(r["live_positions"]):]
-        req.token_slots = dict(zip(r["live_positions"], live))
+        positions = r["live_positions"]
+        generated = _generated(req, positions)
+        prompt = sched.token_slots.take(len(positions) - len(generated))
+        decode = sched.token_slots.take(len(generated) + (held or 0), decode=True)
+        assert prompt is not None and decode is not None, "`check` counted the free token slots"
+        live, spare = prompt + decode[:len(generated)], decode[len(generated):]
+        req.token_slots = dict(zip(positions, live))
         req.round = _restore_round(r["round"], spare if held is not None else None)
         req.cell = sched.cells.take()
         _restore_kv(core, req, data["kv"])
         if data["residual"] is not None:
             _restore_residual(core, req, data["residual"])
         _restore_slots(core, req, live, data["slots"])
+        if data["references"] is not None:
+            _restore_references(core, [req.token_slots[p] for p in generated], data["references"])
         _restore_cell(core, req, data["cell"])
         req.status = Status.RUNNING
         sched.running.append(req)
@@ -407,6 +453,22 @@ def _restore_slots(core: "EngineCore", req: Request, live: list[int], slots: dic
     for name in SLOT_FIELDS:
         getattr(storage, name)[index] = slots[name].to(storage.hidden.device)
     storage.incarnation[index] = req.incarnation
+
+
+def _restore_references(core: "EngineCore", slots: list[int], refs: dict[str, torch.Tensor]) -> None:
+    """Write the generated tokens' reference state into their new decode slots (keys padded
+    with -1 to this engine's capacity)."""
+    store = core.executor.runner.slots.references
+    if not slots:
+        return
+    index = torch.tensor(slots, dtype=torch.long, device=store.keys.device)
+    for name in REFERENCE_FIELDS:
+        value = refs[name].to(store.keys.device)
+        if name == "keys":
+            store.keys[index] = -1
+            store.keys[index, ..., : value.shape[-1]] = value
+        else:
+            getattr(store, name)[index] = value
 
 
 def _restore_cell(core: "EngineCore", req: Request, cell: dict[str, Any]) -> None:
