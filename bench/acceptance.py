@@ -93,6 +93,9 @@ def main() -> None:
     p.add_argument("--kv-residual-quantization", default=None,
                    help="JSON group for every engine, the one without speculation included (INT4 residuals: "
                         "acceptance against a target with the same cache representation)")
+    p.add_argument("--sparse-decode-attention", default=None,
+                   help="JSON group for every engine, likewise (acceptance against a sparse-decode target)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (sparse decode needs it on CUDA)")
     args = p.parse_args()
     if args.plot:
         plot(Path(args.plot))
@@ -109,7 +112,10 @@ def main() -> None:
     traces_in = json.loads(Path(args.replay).read_text()) if args.replay else None
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
-    shared = {"kv_residual_quantization": args.kv_residual_quantization} if args.kv_residual_quantization else {}
+    shared: dict = {"enforce_eager": True} if args.enforce_eager else {}
+    for name in ("kv_residual_quantization", "sparse_decode_attention"):
+        if getattr(args, name):
+            shared[name] = getattr(args, name)
     plain = EngineCore(EngineConfig.from_kwargs(model, device=args.device, dtype=args.dtype, max_num_seqs=4,
                                                 kv_cache_bytes=args.kv_cache_bytes, **shared))
 
@@ -167,7 +173,8 @@ def main() -> None:
               "prompts": {"count": len(prompts), "length": args.prompt_len,
                           "source": "random token ids" if traces_in else "held-out stdlib modules"},
               "max_tokens": args.max_tokens, "batch": 1,
-              "kv_residual_quantization": plain.stats().kv_residual_quantization, "cases": cases}
+              "kv_residual_quantization": plain.stats().kv_residual_quantization,
+              "sparse_decode_attention": plain.stats().sparse_decode_attention, "cases": cases}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.trace_out:

@@ -100,8 +100,8 @@ from specloop.checkpoint import load_model, load_tokenizer
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.flashloop.config import DEFAULT_WINDOW, RESIDUAL_BITS, RESIDUAL_GROUP
-from specloop.model.flashloop_reference import FlashLoopAudit, FlashLoopFeatures, KVResidual, SparsePrefill, \
-    flashloop_forward
+from specloop.model.flashloop_reference import FlashLoopAudit, FlashLoopFeatures, KVResidual, SparseDecode, \
+    SparsePrefill, flashloop_forward
 from specloop.sampling_params import SamplingParams
 from specloop.training.token_data import ENDOFTEXT_ID
 
@@ -120,13 +120,22 @@ class Config:
     kv_tail: int | None = None  # None: exact K/V; T: INT4 cross-loop KV residuals with tail T
     kv_policy: str = "serial"
     kv_chunk: int = 2048  # the execution policy's prompt chunk (the engines' max_num_batched_tokens)
+    decode_retention: float | None = None  # None: dense decode attention; r: sparse decode, key retention r
 
     def features(self) -> FlashLoopFeatures:
         sparse = None if self.retention is None else SparsePrefill(window=self.window, retention=self.retention)
         kv = None if self.kv_tail is None else KVResidual(bits=RESIDUAL_BITS, group_size=RESIDUAL_GROUP,
                                                           tail=self.kv_tail, policy=self.kv_policy,
                                                           chunk=self.kv_chunk)
-        return FlashLoopFeatures(token_sparse_prefill=sparse, kv_residual=kv)
+        decode = None if self.decode_retention is None else SparseDecode(key_retention=self.decode_retention)
+        return FlashLoopFeatures(token_sparse_prefill=sparse, sparse_decode=decode, kv_residual=kv)
+
+    @property
+    def engine_refuses(self) -> str | None:
+        """Why the engine cannot run this configuration yet (its greedy runs are skipped)."""
+        if self.decode_retention is not None and self.kv_tail is not None:
+            return "sparse decode attention with INT4 residuals is not in the engine yet"
+        return None
 
     def engine_group(self, max_model_len: int) -> dict[str, Any] | None:
         if self.retention is None:
@@ -141,6 +150,8 @@ class Config:
             out["token_sparse_prefill"] = group
         if self.kv_tail is not None:
             out["kv_residual_quantization"] = {"tail": self.kv_tail, "policy": self.kv_policy}
+        if self.decode_retention is not None:
+            out["sparse_decode_attention"] = {"key_retention": self.decode_retention}
         return out
 
     def record(self, max_model_len: int) -> dict[str, Any]:
@@ -152,6 +163,9 @@ class Config:
                 "kv_residual": None if kv is None else dataclasses.asdict(kv),
                 "engine_token_sparse_prefill": options.get("token_sparse_prefill"),
                 "engine_kv_residual_quantization": options.get("kv_residual_quantization"),
+                "decode_retention": self.decode_retention,
+                "engine_sparse_decode_attention": options.get("sparse_decode_attention"),
+                "engine_refuses": self.engine_refuses,
                 "engine_attention_backend": options.get("attention_backend", "auto")}
 
 
@@ -166,6 +180,12 @@ def _fmt_retention(r: tuple[float, ...]) -> str:
 def build_configs(args: argparse.Namespace) -> list[Config]:
     base = _floats(args.retention)
     configs = [Config("dense")]
+    if args.feature_matrix:  # each lazy update alone, then all three on
+        r, t, w = args.decode_retention, args.kv_tails[0], args.kv_window
+        return configs + [Config(f"w{w}", w, base), Config(f"decode k{r:g}", decode_retention=r),
+                          Config(f"kv-int4 t{t}", kv_tail=t, kv_chunk=args.max_num_batched_tokens),
+                          Config(f"w{w} + decode k{r:g}", w, base, decode_retention=r),
+                          Config(f"all on", w, base, kv_tail=t, decode_retention=r)]
     if not args.only_kv:
         configs += [Config(f"w{w}", w, base) for w in args.windows]
         if not args.no_global:
@@ -258,8 +278,9 @@ def score(weights: dict[str, torch.Tensor], mcfg: Any, prompt: torch.Tensor, con
     nll = -logp.gather(-1, cont[:, None]).squeeze(-1)
     computed = float(out.active[:, :p].sum()) / (out.active.shape[0] * p)
     recon = None if features.kv_residual is None else reconstruction_errors(out.audit)
+    exit_loop = float(out.exit_loops[p - 1:].double().mean())  # the scored positions' gate exits
     del out
-    return {"logp": logp, "nll": nll, "computed": computed, "recon": recon}
+    return {"logp": logp, "nll": nll, "computed": computed, "recon": recon, "exit": exit_loop}
 
 
 def reconstruction_errors(audit: FlashLoopAudit) -> dict[tuple[str, int], dict[str, list[float]]]:
@@ -313,6 +334,9 @@ def greedy_runs(args: argparse.Namespace, configs: list[Config], prompts: dict[i
     pages = (n * num_loops * (-(-longest // block) + 2)) * 5 // 4 + 64
     out: dict[str, dict[int, GreedyRun]] = {}
     for cfg in configs:
+        if cfg.engine_refuses is not None:
+            log(f"greedy {cfg.name}: skipped ({cfg.engine_refuses})")
+            continue
         kw: dict[str, Any] = dict(device=args.device, dtype="float32", max_model_len=max_model_len, block_size=block,
                                   num_kv_pages=pages, max_num_seqs=max(n, 1),
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -389,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-window", type=int, default=DEFAULT_WINDOW,
                    help="window of the KV residual + sparse prefill configurations (with --retention)")
     p.add_argument("--only-kv", action="store_true", help="dense and the KV residual configurations only")
+    p.add_argument("--feature-matrix", action="store_true",
+                   help="dense, each lazy update alone (window --kv-window with --retention, sparse decode at "
+                        "--decode-retention, INT4 residuals with the first --kv-tails), prefill + decode, all on")
+    p.add_argument("--decode-retention", type=float, default=0.10, help="sparse decode attention's key retention")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens through the engine (0: skip)")
     p.add_argument("--exit-threshold", type=float, default=None, help="default: the checkpoint's")
     p.add_argument("--cross-files", action="store_true", help="evenly spaced stream offsets, file boundaries included")
@@ -450,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             placement[str(length)].append(row)
 
     # Teacher-forced loss through the reference: dense first, then every configuration.
-    fields = ("loss", "agree", "acc", "kl", "computed", "first", "first_logp", "recon", "seconds")
+    fields = ("loss", "agree", "acc", "kl", "computed", "first", "first_logp", "recon", "seconds", "exit")
     raw: dict[str, dict[int, dict[str, list]]] = {c.name: {n: {f: [] for f in fields} for n in args.lengths}
                                                   for c in configs}
     for length in args.lengths:
@@ -472,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["acc"].append(float((top == ct).double().mean()))
                 row["kl"].append(float(kl))
                 row["computed"].append(r["computed"])
+                row["exit"].append(r["exit"])
                 row["first"].append(int(top[0]))  # the reference's first greedy token
                 row["first_logp"].append(r["logp"][0].cpu())
                 if r["recon"] is not None:
@@ -512,13 +541,17 @@ def main(argv: list[str] | None = None) -> int:
                 "top1_agree_dense": float(np.mean(row["agree"])),
                 "top1_acc": float(np.mean(row["acc"])),
                 "computed_fraction": float(np.mean(row["computed"])),
+                "mean_exit_loop": float(np.mean(row["exit"])),
+                "mean_exit_loop_shift": float(np.mean(row["exit"]) - np.mean(dense["exit"])),
                 "reference_seconds": float(np.sum(row["seconds"])),
                 "per_prompt": {"loss": row["loss"], "delta_loss": diffs, "top1_agree_dense": row["agree"],
                                "kl_from_dense": row["kl"], "computed_fraction": row["computed"]},
             }
             if row["recon"]:
                 entry["reconstruction_error"] = summarise_reconstruction(row["recon"])
-            if greedy is not None:
+            if greedy is not None and c.name not in greedy:
+                entry["greedy_skipped"] = c.engine_refuses
+            elif greedy is not None:
                 run = greedy[c.name][length]
                 mine, ref = run.tokens, greedy["dense"][length].tokens
                 prefix = [common_prefix(a, b) for a, b in zip(mine, ref)]
@@ -586,13 +619,16 @@ def print_table(configs: list[Config], lengths: list[int], results: dict[str, di
             e = results[c.name][str(n)]
             se = e["delta_loss_pct_paired_stderr"]
             d = f"{e['delta_loss_pct']:+.2f}" + (f"+-{se:.2f}" if se is not None else "")
-            pfx = f"{e['greedy_prefix_mean']:5.1f}" if greedy else ""
+            pfx = ("   --" if "greedy_skipped" in e else f"{e['greedy_prefix_mean']:5.1f}") if greedy else ""
             line += f"| {d:13s}{e['top1_agree_dense']:6.3f}{pfx:>5s}"
             worst = max(worst, e["delta_loss_pct"])
         comp = float(np.mean([results[c.name][str(n)]["computed_fraction"] for n in lengths]))
         print(line + f"| {comp:5.3f}  {worst:+7.2f}")
     if greedy and any(c.kv_tail is not None for c in configs):
         print("(greedy of the kv-int4 configurations: eager, the default attention backend)")
+    for c in configs:
+        if greedy and c.engine_refuses is not None:
+            print(f"(no greedy run of {c.name}: {c.engine_refuses})")
 
 
 def print_reconstruction(configs: list[Config], lengths: list[int], results: dict[str, dict[str, Any]]) -> None:

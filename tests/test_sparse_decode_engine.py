@@ -42,7 +42,8 @@ SPARSE_PREFILL = {"window": 8, "retention": [1.0, 1.0, 0.5, 0.25]}
 def _engine(ckpt, **kw) -> EngineCore:
     kw.setdefault("sparse_decode_attention", {"key_retention": RETENTION})
     return EngineCore(EngineConfig.from_kwargs(
-        str(ckpt), device="cpu", dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4, **kw))
+        str(ckpt), device=kw.pop("device", "cpu"), dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512),
+        block_size=4, **kw))
 
 
 def _run(engine: EngineCore, prompts, params=GREEDY) -> dict[str, tuple[list[int], list[float]]]:
@@ -200,6 +201,29 @@ def test_stats_report_the_group_and_its_state(tiny_ckpt):
         RETENTION, torch.float32) > 0
     assert refs.num_slots == engine.scheduler.token_slots.decode_size == engine.config.max_num_seqs * 3
     assert _engine(tiny_ckpt, sparse_decode_attention=None).stats().sparse_decode_reference_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["plain", "exit", "block-d1", "block-d2", "pipeline-d1"])
+def test_cuda_kernels_in_the_engine(any_ckpt, mode):
+    """On the GPU (fp32, eager, the Triton backend): the compiled source and correction
+    kernels give the reference's tokens and logprobs (within 1e-4: GPU against CPU fp32)."""
+    options = MODES[mode]
+    engine = _engine(any_ckpt, device="cuda", enforce_eager=True, **options)
+    assert engine.backend.name == "triton"
+    got = _run(engine, PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logprobs = got[f"r{i}"]
+        want = _reference_logprobs(any_ckpt, prompt, tokens, _features(), options.get("exit_threshold"))
+        assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
+        picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_are_refused_until_they_are_built(tiny_ckpt):
+    with pytest.raises(ConfigError, match="CUDA graphs"):
+        _engine(tiny_ckpt, device="cuda")
 
 
 def test_unsupported_combinations_are_refused(tiny_ckpt):
