@@ -212,6 +212,14 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
     return configs
 
 
+def skip_configs(configs: list[Config], skip: list[str]) -> list[Config]:
+    """Leave out the named configurations (dense stays: it is the baseline)."""
+    unknown = sorted(set(skip) - {c.name for c in configs[1:]})
+    if unknown:
+        raise SystemExit(f"--skip: no configuration {unknown[0]!r}; there are {[c.name for c in configs[1:]]}")
+    return [c for c in configs if c.name not in skip]
+
+
 # --- corpus and prompts -----------------------------------------------------------------
 
 def heldout_stream(args: argparse.Namespace, tokenizer: Any) -> tuple[np.ndarray, dict[str, Any], list[str] | None]:
@@ -417,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dense, each lazy update alone (window --kv-window with --retention, sparse decode at "
                         "--decode-retention, INT4 residuals with the first --kv-tails), prefill + decode, all on")
     p.add_argument("--decode-retention", type=float, default=0.10, help="sparse decode attention's key retention")
+    p.add_argument("--skip", nargs="*", default=[], help="configurations to leave out, by name")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens through the engine (0: skip)")
     p.add_argument("--exit-threshold", type=float, default=None, help="default: the checkpoint's")
     p.add_argument("--cross-files", action="store_true", help="evenly spaced stream offsets, file boundaries included")
@@ -432,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_path()
     device = torch.device(args.device)
-    configs = build_configs(args)
+    configs = skip_configs(build_configs(args), args.skip)
     model, _ = load_model(args.model, dtype=torch.float32, device=device)
     mcfg = model.config
     weights = {name: p.detach() for name, p in model.named_parameters()}

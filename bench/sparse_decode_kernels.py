@@ -8,8 +8,8 @@ A smoke run without a GPU (interpreter; its times mean nothing):
 
 For `--batches` decode rows of `--lengths` keys each (random bf16 K/V in 16-token pages, the
 `ouro-1.4b` shape unless told otherwise, key retention --retention), times with CUDA events
-(median of --reps after a warm-up, ../shared/docs/gpu.md): dense `paged_attention` (what a
-dense loop costs per layer), the loop-2 source (`decode_source`: one pass writing scores,
+(median of --reps after a warm-up, ../shared/docs/gpu.md): dense `paged_attention` with the
+engine's split-KV choice (what a dense loop costs per layer), the loop-2 source (`decode_source`: one pass writing scores,
 lse and O_ref, the device top-b, the selected sums), its selection alone (`select_keys` on
 the scores: the top-k's share), the state write (the source's tensors copied into per-slot
 reference storage, as `DecodeReferences` does), and the loop 3-4 correction
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specloop.kernels.paged_attention import block_g, paged_attention, query_tiles
+from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention, query_tiles
 from specloop.kernels.sparse_decode import decode_correction, decode_source, key_budget, select_keys
 
 
@@ -78,9 +78,11 @@ def main() -> None:
             tiles = torch.tensor(query_tiles([(i, 1, i * pages) for i in range(batch)], tile_rows),
                                  dtype=torch.long, device=device).view(-1, 3)
             cap = key_budget(length, args.retention)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 1
+            splits = choose_splits(tiles.shape[0], args.kv_heads, length, sms)  # the engine's
 
             def dense():
-                paged_attention(q, k, v, tables, positions, tiles, args.page, tile_rows=tile_rows)
+                paged_attention(q, k, v, tables, positions, tiles, args.page, tile_rows=tile_rows, num_splits=splits)
 
             def source():
                 return decode_source(q, k, v, tables, positions, offsets, args.page, args.retention, cap,
@@ -105,7 +107,7 @@ def main() -> None:
             def correction():
                 decode_correction(q, k, v, tables, positions, offsets, args.page, src)
 
-            row = {"length": length, "batch": batch, "kept_keys": cap,
+            row = {"length": length, "batch": batch, "kept_keys": cap, "dense_splits": splits,
                    "scratch_bytes_per_row": args.heads * length * (4 + 4 + 8) + args.heads * 4}
             for name, fn in (("dense_ms", dense), ("source_ms", source), ("select_ms", select),
                              ("state_write_ms", write), ("correction_ms", correction)):
