@@ -22,10 +22,11 @@ from specloop.engine.snapshot import SnapshotError
 from specloop.errors import ConfigError
 from specloop.flashloop.config import SparseDecodeAttention
 from specloop.kernels.sparse_decode import key_budget
-from specloop.model.flashloop_reference import FlashLoopFeatures, SparseDecode, SparsePrefill, flashloop_forward
+from specloop.model.flashloop_reference import (FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill,
+                                                flashloop_forward)
 from specloop.plan import RowGroup
 from specloop.runtime.forward_batch import _sparse_rows
-from specloop.runtime.sparse_decode import DecodeReferences, SparseRows
+from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, paged_reader
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
 from tests.conftest import weights_of
@@ -62,10 +63,12 @@ def _run(engine: EngineCore, prompts, params=GREEDY) -> dict[str, tuple[list[int
     return out
 
 
-def _features(sparse_decode: bool = True, sparse_prefill: bool = False) -> FlashLoopFeatures:
+def _features(sparse_decode: bool = True, sparse_prefill: bool = False, kv_tail: int | None = None
+              ) -> FlashLoopFeatures:
     return FlashLoopFeatures(
         token_sparse_prefill=SparsePrefill(**SPARSE_PREFILL) if sparse_prefill else None,
-        sparse_decode=SparseDecode(key_retention=RETENTION) if sparse_decode else None)
+        sparse_decode=SparseDecode(key_retention=RETENTION) if sparse_decode else None,
+        kv_residual=KVResidual(bits=4, group_size=64, tail=kv_tail) if kv_tail is not None else None)
 
 
 def _reference_logprobs(ckpt, prompt: list[int], tokens: list[int], feats: FlashLoopFeatures,
@@ -78,19 +81,19 @@ def _reference_logprobs(ckpt, prompt: list[int], tokens: list[int], feats: Flash
 
 
 def _check(ckpt, got, prompts=PROMPTS, greedy: bool = True, sparse_prefill: bool = False,
-           exit_threshold: float | None = None) -> None:
+           exit_threshold: float | None = None, kv_tail: int | None = None) -> None:
     """Every emitted token's logprob equals the reference's; greedy tokens are its argmax;
-    somewhere the outputs differ from dense decoding's."""
+    somewhere the outputs differ from dense decoding's (with the same other features)."""
     differs = False
     for i, prompt in enumerate(prompts):
         tokens, logprobs = got[f"r{i}"]
         assert len(tokens) == MAX_TOKENS
-        want = _reference_logprobs(ckpt, prompt, tokens, _features(True, sparse_prefill), exit_threshold)
+        want = _reference_logprobs(ckpt, prompt, tokens, _features(True, sparse_prefill, kv_tail), exit_threshold)
         picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-5, rtol=1e-5)
         if greedy:
             assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
-        dense = _reference_logprobs(ckpt, prompt, tokens, _features(False, sparse_prefill), exit_threshold)
+        dense = _reference_logprobs(ckpt, prompt, tokens, _features(False, sparse_prefill, kv_tail), exit_threshold)
         differs |= bool((dense - want).abs().max() > 1e-3)
     assert differs, "sparse decode attention changed nothing: the test cannot tell it from dense"
 
@@ -118,6 +121,27 @@ def test_with_token_sparse_prefill(tiny_ckpt, mode):
     """Both lazy updates: sparse prompt loops, then sparse decode queries."""
     got = _run(_engine(tiny_ckpt, token_sparse_prefill=SPARSE_PREFILL, **MODES[mode]), PROMPTS)
     _check(tiny_ckpt, got, sparse_prefill=True)
+
+
+KV_PROMPTS = [torch.randint(3, 200, (n,), generator=_g).tolist() for n in (100, 75, 130)]
+KV_CASES = {  # mode, INT4 residual tail (speculation needs a tail past the rows in flight)
+    "plain": ("plain", 5), "exit": ("exit", 5), "block-d1": ("block-d1", 16), "block-d2": ("block-d2", 16),
+    "pipeline-d1": ("pipeline-d1", 16),
+}
+
+
+@pytest.mark.parametrize("case", list(KV_CASES))
+def test_with_int4_residuals(tiny_ckpt, case):
+    """All three lazy updates: prompts past the first group's seal (63 + tail), so generated
+    queries read reconstructed K/V at loop 2 (selection) and at loops 3-4 (the kept keys),
+    exact tails elsewhere; token-sparse prefill on too in the plain case."""
+    mode, tail = KV_CASES[case]
+    options = MODES[mode]
+    prefill = {"token_sparse_prefill": SPARSE_PREFILL} if case == "plain" else {}
+    engine = _engine(tiny_ckpt, kv_residual_quantization={"tail": tail}, **prefill, **options)
+    got = _run(engine, KV_PROMPTS)
+    _check(tiny_ckpt, got, KV_PROMPTS, sparse_prefill=bool(prefill), exit_threshold=options.get("exit_threshold"),
+           kv_tail=tail)
 
 
 @pytest.mark.parametrize("policy, mode", [("recompute", "plain"), ("recompute", "pipeline-d1"),
@@ -179,12 +203,16 @@ def test_snapshot_restores_live_reference_state(tiny_ckpt, mode):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter needs TRITON_INTERPRET before triton "
                     "loads; the GPU suite runs the compiled kernels")
-@pytest.mark.parametrize("mode", ["plain", "block-d2"])
+@pytest.mark.parametrize("mode", ["plain", "block-d2", "plain-int4"])
 def test_triton_kernels_under_the_interpreter(tiny_ckpt, mode, monkeypatch):
-    """The Triton backend runs the source and correction kernels (device top-b selection)."""
+    """The Triton backend runs the source and correction kernels (device top-b selection),
+    and with INT4 residuals the packed reader's gather (`read_keys_triton`) for them."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    got = _run(_engine(tiny_ckpt, attention_backend="triton", **MODES[mode]), PROMPTS[:2])
-    _check(tiny_ckpt, got, PROMPTS[:2])
+    tail = 5 if mode.endswith("int4") else None
+    extra = {"kv_residual_quantization": {"tail": tail}} if tail else {}
+    prompts = KV_PROMPTS[1:2] if tail else PROMPTS[:2]
+    got = _run(_engine(tiny_ckpt, attention_backend="triton", **extra, **MODES[mode.removesuffix("-int4")]), prompts)
+    _check(tiny_ckpt, got, prompts, kv_tail=tail)
 
 
 def test_stats_report_the_group_and_its_state(tiny_ckpt):
@@ -224,11 +252,6 @@ def test_cuda_kernels_in_the_engine(any_ckpt, mode):
 def test_cuda_graphs_are_refused_until_they_are_built(tiny_ckpt):
     with pytest.raises(ConfigError, match="CUDA graphs"):
         _engine(tiny_ckpt, device="cuda")
-
-
-def test_unsupported_combinations_are_refused(tiny_ckpt):
-    with pytest.raises(ConfigError, match="kv_residual_quantization"):
-        _engine(tiny_ckpt, kv_residual_quantization={})
 
 
 @pytest.mark.parametrize("value, message", [
@@ -299,7 +322,7 @@ def test_a_missing_reference_is_never_read():
     q = torch.randn(1, 2, 8)
     dense = torch.randn(1, 2, 8)
     rows = SparseRows(torch.zeros(0, dtype=torch.long), torch.tensor([0]))
-    args = (k, v, tables, torch.tensor([9]), torch.tensor([0]), torch.tensor([2]), 4, False)
+    args = (torch.tensor([9]), torch.tensor([2]), paged_reader(k, v, tables, torch.tensor([0]), 4), False)
     refs.enter(torch.tensor([2]))
     out = refs.attend(0, rows, q, dense.clone(), *args)
     assert torch.equal(out, dense) and int(refs.fallbacks) == 1

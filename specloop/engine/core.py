@@ -247,8 +247,6 @@ class EngineCore:
         if not cfg.sparse_decode_attention.enabled:
             return 0
         unsupported = []
-        if cfg.kv_residual_quantization.enabled:
-            unsupported.append("kv_residual_quantization (the correction reads BF16 pages only)")
         if device.type == "cuda" and not cfg.enforce_eager and cfg.attention_backend != "torch":
             unsupported.append("CUDA graphs (set enforce_eager)")
         if unsupported:

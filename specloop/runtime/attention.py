@@ -26,12 +26,12 @@ import torch
 from torch.nn import functional as F
 
 from specloop.errors import ConfigError
-from specloop.kernels.packed_attention import packed_attention, packed_splits
+from specloop.kernels.packed_attention import packed_attention, packed_splits, read_keys
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.kv_residual import PackedResiduals
-from specloop.runtime.sparse_decode import DecodeReferences, SparseRows
+from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, gathered_reader, paged_reader
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -101,12 +101,17 @@ class _Sparse:
     positions: torch.Tensor
     table_offsets: torch.Tensor
     token_slots: torch.Tensor
+    depths: torch.Tensor
+    cells: torch.Tensor | None  # the rows' request cells (INT4 residual planes)
+    longest: int  # the pass's longest context (host)
 
     @classmethod
     def of(cls, lp: LoopPass) -> "_Sparse | None":
         if lp.sparse is None:
             return None
-        return cls(lp.sparse, lp.tables, lp.positions, lp.table_offsets, lp.token_slots)
+        return cls(lp.sparse, lp.tables, lp.positions, lp.table_offsets, lp.token_slots, lp.depths,
+                   lp.residual.cells if lp.residual is not None else None,
+                   max((g.context for g in lp.groups), default=0))
 
 
 class TorchAttention:
@@ -238,7 +243,7 @@ class TritonAttention:
             if splits is None:
                 splits = packed_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
             return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                              readers, lp.table_offsets)
+                              readers, lp.table_offsets, _Sparse.of(lp))
         if splits is None:  # eager: from this call's tiles and longest context
             splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
@@ -254,7 +259,7 @@ class TritonAttention:
                                       store.layer_view(layer), res.cells, res.depths, res.positions,
                                       meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
                                       tile_rows=meta.tile_rows)
-            return out
+            return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True)
         out, _ = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, meta.tiles,
                                  self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits)
         return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True)
@@ -268,8 +273,17 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
     if sparse is None:
         return out
     kv = backend.kv
-    return backend.references.attend(layer, sparse.rows, q, out, kv.k[layer], kv.v[layer], sparse.tables,
-                                     sparse.positions, sparse.table_offsets, sparse.token_slots, kv.page_size,
+    k, v = kv.k[layer], kv.v[layer]
+    if backend.residuals is None:
+        read = paged_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size)
+    else:
+        packed = backend.residuals.layer_view(layer)
+
+        def keys_of(r: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return read_keys(k, v, sparse.tables, kv.page_size, packed, sparse.cells[r], sparse.depths[r],
+                             sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
+        read = gathered_reader(keys_of, sparse.longest, kv.page_size)
+    return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
                                      use_triton)
 
 

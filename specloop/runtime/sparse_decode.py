@@ -19,15 +19,19 @@ missing (which the scheduler's ordering never produces: a token's loop 2 always 
 before its loop 3) takes the dense output computed for it and is counted in `fallbacks`,
 never consuming another token's state.
 
-What this first version does not do yet (the issue's matrix): the dense attention still
-runs for every row, sparse ones included, before their outputs are replaced (correct, not
-yet faster); INT4 residual planes, CUDA graphs and snapshots are refused at start-up with
-a capability error.
+With INT4 residual planes the source and correction read each key as the row reads it
+(exact from the BF16 tail or reconstructed from the packed planes, by the read rule),
+through a per-layer gather of the rows' keys (`gathered_reader`): correct, not fast.
+
+Not done yet: the dense attention still runs for every row, sparse ones included, before
+their outputs are replaced (correct, not yet faster); CUDA graphs are refused at start-up
+with a capability error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -88,26 +92,24 @@ class DecodeReferences:
         decode = slots[slots < self.num_slots]
         self.present.index_fill_(0, decode, False)
 
-    def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, table_offsets: torch.Tensor,
-               token_slots: torch.Tensor, page_size: int, use_triton: bool) -> torch.Tensor:
+    def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
+               token_slots: torch.Tensor, read: KeyReader, use_triton: bool) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
         tokens' rows replaced: sources keep their state and output O_ref, corrections output
-        the corrected attention where their state is present. One layer; no host sync."""
+        the corrected attention where their state is present. One layer; `read` gives the
+        keys a set of rows reads (`KeyReader`); no host sync."""
         if rows.source.numel():
-            self._source(layer, rows.source, q, out, k_cache, v_cache, tables, positions, table_offsets,
-                         token_slots, page_size, use_triton)
+            self._source(layer, rows.source, q, out, positions, token_slots, read, use_triton)
         if rows.correction.numel():
-            self._correct(layer, rows.correction, q, out, k_cache, v_cache, tables, positions, table_offsets,
-                          token_slots, page_size, use_triton)
+            self._correct(layer, rows.correction, q, out, positions, token_slots, read, use_triton)
         return out
 
-    def _source(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, table_offsets: torch.Tensor,
-                token_slots: torch.Tensor, page_size: int, use_triton: bool) -> None:
-        src = decode_source(q[r].contiguous(), k_cache, v_cache, tables, positions[r].contiguous(),
-                            table_offsets[r].contiguous(), page_size, self.key_retention, self.capacity,
-                            max_context=self.max_context, use_triton=use_triton)
+    def _source(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
+                token_slots: torch.Tensor, read: KeyReader, use_triton: bool) -> None:
+        k_cache, v_cache, tables, offsets, page_size = read(r)
+        src = decode_source(q[r].contiguous(), k_cache, v_cache, tables, positions[r].contiguous(), offsets,
+                            page_size, self.key_retention, self.capacity, max_context=self.max_context,
+                            use_triton=use_triton)
         slots = token_slots[r]
         self.keys[slots, layer] = src.keys
         self.count[slots] = src.count
@@ -117,17 +119,48 @@ class DecodeReferences:
         self.present[slots, layer] = True
         out[r] = src.out
 
-    def _correct(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, table_offsets: torch.Tensor,
-                 token_slots: torch.Tensor, page_size: int, use_triton: bool) -> None:
+    def _correct(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
+                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool) -> None:
         slots = token_slots[r]
         present = self.present[slots, layer]
         count = torch.where(present, self.count[slots], 0)  # a missing state is never read
         source = DecodeSource(self.keys[slots, layer], count, self.mass[slots, layer], self.o_ref[slots, layer],
                               self.c_ref[slots, layer], out[r])
         at = torch.where(present, positions[r], -1).contiguous()
-        corrected = decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, table_offsets[r].contiguous(),
-                                      page_size, source, out=out[r].contiguous(), use_triton=use_triton)
+        k_cache, v_cache, tables, offsets, page_size = read(r)
+        corrected = decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, source,
+                                      out=out[r].contiguous(), use_triton=use_triton)
         out[r] = corrected
         if layer == 0:
             self.fallbacks += (~present).sum()
+
+
+KeyReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]
+"""Rows r [n] -> (K, V [S, Hkv, D], page tables, each row's table offset [n], page size):
+where the keys of rows r sit as they read them (the BF16 pool, or a gather of the packed
+planes' reads)."""
+
+
+def paged_reader(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
+                 page_size: int) -> KeyReader:
+    """Keys in one layer of the BF16 page pool."""
+    return lambda r: (k_cache, v_cache, tables, table_offsets[r].contiguous(), page_size)
+
+
+def gathered_reader(read_keys: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], longest: int,
+                    page_size: int) -> KeyReader:
+    """Keys as each row reads them from INT4 residual planes (exact from the tail or
+    reconstructed, by the read rule), gathered into a scratch of `longest` keys per row
+    rounded up to whole pages (`read_keys(rows, keys)` -> K, V [n, keys, Hkv, D]); the
+    rows' tables are consecutive pages of it. A transient of n x longest keys per layer:
+    correct, not fast."""
+    keys = -(-max(longest, 1) // page_size) * page_size
+    per_row = keys // page_size
+
+    def read(r: torch.Tensor):
+        k, v = read_keys(r, keys)
+        n = r.numel()
+        tables = torch.arange(n * per_row, dtype=torch.long, device=k.device)
+        offsets = torch.arange(n, dtype=torch.long, device=k.device) * per_row
+        return k.reshape(n * keys, *k.shape[2:]), v.reshape(n * keys, *v.shape[2:]), tables, offsets, page_size
+    return read
