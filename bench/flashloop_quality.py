@@ -130,13 +130,6 @@ class Config:
         decode = None if self.decode_retention is None else SparseDecode(key_retention=self.decode_retention)
         return FlashLoopFeatures(token_sparse_prefill=sparse, sparse_decode=decode, kv_residual=kv)
 
-    @property
-    def engine_refuses(self) -> str | None:
-        """Why the engine cannot run this configuration yet (its greedy runs are skipped)."""
-        if self.decode_retention is not None and self.kv_tail is not None:
-            return "sparse decode attention with INT4 residuals is not in the engine yet"
-        return None
-
     def engine_group(self, max_model_len: int) -> dict[str, Any] | None:
         if self.retention is None:
             return None
@@ -165,7 +158,6 @@ class Config:
                 "engine_kv_residual_quantization": options.get("kv_residual_quantization"),
                 "decode_retention": self.decode_retention,
                 "engine_sparse_decode_attention": options.get("sparse_decode_attention"),
-                "engine_refuses": self.engine_refuses,
                 "engine_attention_backend": options.get("attention_backend", "auto")}
 
 
@@ -342,9 +334,6 @@ def greedy_runs(args: argparse.Namespace, configs: list[Config], prompts: dict[i
     pages = (n * num_loops * (-(-longest // block) + 2)) * 5 // 4 + 64
     out: dict[str, dict[int, GreedyRun]] = {}
     for cfg in configs:
-        if cfg.engine_refuses is not None:
-            log(f"greedy {cfg.name}: skipped ({cfg.engine_refuses})")
-            continue
         kw: dict[str, Any] = dict(device=args.device, dtype="float32", max_model_len=max_model_len, block_size=block,
                                   num_kv_pages=pages, max_num_seqs=max(n, 1),
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -558,9 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             if row["recon"]:
                 entry["reconstruction_error"] = summarise_reconstruction(row["recon"])
-            if greedy is not None and c.name not in greedy:
-                entry["greedy_skipped"] = c.engine_refuses
-            elif greedy is not None:
+            if greedy is not None:
                 run = greedy[c.name][length]
                 mine, ref = run.tokens, greedy["dense"][length].tokens
                 prefix = [common_prefix(a, b) for a, b in zip(mine, ref)]
@@ -628,16 +615,13 @@ def print_table(configs: list[Config], lengths: list[int], results: dict[str, di
             e = results[c.name][str(n)]
             se = e["delta_loss_pct_paired_stderr"]
             d = f"{e['delta_loss_pct']:+.2f}" + (f"+-{se:.2f}" if se is not None else "")
-            pfx = ("   --" if "greedy_skipped" in e else f"{e['greedy_prefix_mean']:5.1f}") if greedy else ""
+            pfx = f"{e['greedy_prefix_mean']:5.1f}" if greedy else ""
             line += f"| {d:13s}{e['top1_agree_dense']:6.3f}{pfx:>5s}"
             worst = max(worst, e["delta_loss_pct"])
         comp = float(np.mean([results[c.name][str(n)]["computed_fraction"] for n in lengths]))
         print(line + f"| {comp:5.3f}  {worst:+7.2f}")
     if greedy and any(c.kv_tail is not None for c in configs):
         print("(greedy of the kv-int4 configurations: eager, the default attention backend)")
-    for c in configs:
-        if greedy and c.engine_refuses is not None:
-            print(f"(no greedy run of {c.name}: {c.engine_refuses})")
 
 
 def print_reconstruction(configs: list[Config], lengths: list[int], results: dict[str, dict[str, Any]]) -> None:
