@@ -177,7 +177,7 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
         return configs + [Config(f"w{w}", w, base), Config(f"decode k{r:g}", decode_retention=r),
                           Config(f"kv-int4 t{t}", kv_tail=t, kv_chunk=args.max_num_batched_tokens),
                           Config(f"w{w} + decode k{r:g}", w, base, decode_retention=r),
-                          Config(f"all on", w, base, kv_tail=t, decode_retention=r)]
+                          Config("all on", w, base, kv_tail=t, decode_retention=r)]
     if not args.only_kv:
         configs += [Config(f"w{w}", w, base) for w in args.windows]
         if not args.no_global:

@@ -3,9 +3,13 @@ backends, multi-loop plans, CUDA graphs): the execution modes, a staggered run, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from specloop.checkpoint import load_model
 from specloop.engine.core import EngineCore
+from specloop.model.flashloop_reference import FlashLoopFeatures, flashloop_forward
 from specloop.sampling_params import SamplingParams
 
 MODES = {
@@ -61,3 +65,36 @@ def forbid_syncs(engine: EngineCore) -> None:
             torch.cuda.set_sync_debug_mode("default")
 
     engine.executor.submit = checked_submit
+
+
+def run_all(engine: EngineCore, prompts: list[list[int]], params: SamplingParams) -> Outputs:
+    """Every prompt submitted at once as r0, r1, ...; no request may fail, and every page
+    and token slot must return. Tokens and logprobs per request."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    out: Outputs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            tokens, logprobs = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.token_ids)
+            logprobs.extend(o.logprobs or [])
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _weights(ckpt: str) -> tuple[dict[str, torch.Tensor], object]:
+    model, _ = load_model(ckpt, dtype=torch.float32)
+    return {name: p.detach() for name, p in model.named_parameters()}, model.config
+
+
+def reference_logprobs(ckpt, prompt: list[int], tokens: list[int], feats: FlashLoopFeatures,
+                       exit_threshold: float | None = None) -> torch.Tensor:
+    """[T, V] fp64 log-probabilities the FlashLoop reference (fp32, full recomputation) gives
+    each of `tokens`' positions after `prompt`: one forward over prompt + tokens[:-1]."""
+    weights, cfg = _weights(str(ckpt))
+    ids = torch.tensor(prompt + tokens[:-1])
+    logits = flashloop_forward(weights, cfg, ids, len(prompt), feats, exit_threshold).logits
+    return torch.log_softmax(logits[len(prompt) - 1:].double(), -1)

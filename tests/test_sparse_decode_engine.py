@@ -15,22 +15,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specloop.checkpoint import load_model
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.engine.snapshot import SnapshotError
 from specloop.errors import ConfigError
 from specloop.flashloop.config import SparseDecodeAttention
 from specloop.kernels.sparse_decode import key_budget
-from specloop.model.flashloop_reference import (FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill,
-                                                flashloop_forward)
+from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill
 from specloop.plan import RowGroup
 from specloop.runtime.forward_batch import _sparse_rows
 from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, paged_reader
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
-from tests.conftest import weights_of
-from tests.engine_runs import MODES
+from tests.engine_runs import MODES, reference_logprobs, run_all
 
 RETENTION = 0.3
 MAX_TOKENS = 8
@@ -48,17 +45,7 @@ def _engine(ckpt, **kw) -> EngineCore:
 
 
 def _run(engine: EngineCore, prompts, params=GREEDY) -> dict[str, tuple[list[int], list[float]]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            assert o.error is None, o.error
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
-    assert engine.kv.num_free_pages == engine.kv.num_pages
-    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+    out = run_all(engine, prompts, params)
     assert int(engine.executor.runner.slots.references.fallbacks) == 0, "a correction found no reference state"
     return out
 
@@ -71,15 +58,6 @@ def _features(sparse_decode: bool = True, sparse_prefill: bool = False, kv_tail:
         kv_residual=KVResidual(bits=4, group_size=64, tail=kv_tail) if kv_tail is not None else None)
 
 
-def _reference_logprobs(ckpt, prompt: list[int], tokens: list[int], feats: FlashLoopFeatures,
-                        exit_threshold: float | None = None) -> torch.Tensor:
-    """[T, V] log-probabilities the reference gives each emitted token's position."""
-    model, _ = load_model(ckpt, dtype=torch.float32)
-    ids = torch.tensor(prompt + tokens[:-1])
-    logits = flashloop_forward(weights_of(model), model.config, ids, len(prompt), feats, exit_threshold).logits
-    return torch.log_softmax(logits[len(prompt) - 1:].double(), -1)
-
-
 def _check(ckpt, got, prompts=PROMPTS, greedy: bool = True, sparse_prefill: bool = False,
            exit_threshold: float | None = None, kv_tail: int | None = None) -> None:
     """Every emitted token's logprob equals the reference's; greedy tokens are its argmax;
@@ -88,12 +66,12 @@ def _check(ckpt, got, prompts=PROMPTS, greedy: bool = True, sparse_prefill: bool
     for i, prompt in enumerate(prompts):
         tokens, logprobs = got[f"r{i}"]
         assert len(tokens) == MAX_TOKENS
-        want = _reference_logprobs(ckpt, prompt, tokens, _features(True, sparse_prefill, kv_tail), exit_threshold)
+        want = reference_logprobs(ckpt, prompt, tokens, _features(True, sparse_prefill, kv_tail), exit_threshold)
         picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-5, rtol=1e-5)
         if greedy:
             assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
-        dense = _reference_logprobs(ckpt, prompt, tokens, _features(False, sparse_prefill, kv_tail), exit_threshold)
+        dense = reference_logprobs(ckpt, prompt, tokens, _features(False, sparse_prefill, kv_tail), exit_threshold)
         differs |= bool((dense - want).abs().max() > 1e-3)
     assert differs, "sparse decode attention changed nothing: the test cannot tell it from dense"
 
@@ -197,7 +175,7 @@ def test_snapshot_restores_live_reference_state(tiny_ckpt, mode):
     for o in other.drain():
         tokens.extend(o.token_ids)
     assert int(other.executor.runner.slots.references.fallbacks) == 0
-    want = _reference_logprobs(tiny_ckpt, PROMPTS[0], tokens, _features())
+    want = reference_logprobs(tiny_ckpt, PROMPTS[0], tokens, _features())
     assert tokens == want.argmax(-1).tolist()
 
 
@@ -242,7 +220,7 @@ def test_cuda_kernels_in_the_engine(any_ckpt, mode):
     got = _run(engine, PROMPTS)
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs = got[f"r{i}"]
-        want = _reference_logprobs(any_ckpt, prompt, tokens, _features(), options.get("exit_threshold"))
+        want = reference_logprobs(any_ckpt, prompt, tokens, _features(), options.get("exit_threshold"))
         assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
         picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-4, rtol=1e-4)
