@@ -292,7 +292,8 @@ def test_sparse_rows_of_each_pass():
 
 def test_a_missing_reference_is_never_read():
     """A correction row whose slot's state was not written for its token (marked missing
-    at entry) keeps the dense output it came with and is counted."""
+    at entry) keeps the dense output it came with and is counted; a row whose token exited
+    runs neither a source nor a correction."""
     refs = DecodeReferences(4, 1, 2, 8, 16, 0.5, torch.float32, torch.device("cpu"))
     k = torch.randn(32, 1, 8)
     v = torch.randn(32, 1, 8)
@@ -310,3 +311,8 @@ def test_a_missing_reference_is_never_read():
     assert not torch.equal(out, dense) and int(refs.fallbacks) == 1
     refs.enter(torch.tensor([2, 7]))  # a new token in slot 2 (7: not a decode slot)
     assert not bool(refs.present[2].any())
+    gone = torch.tensor([True])  # its token exited (adaptive exit): no source, no correction, no count
+    out = refs.attend(0, source, q, dense.clone(), *args, exited=gone)
+    assert torch.equal(out, dense) and not bool(refs.present[2].any())
+    out = refs.attend(0, rows, q, dense.clone(), *args, exited=gone)
+    assert torch.equal(out, dense) and int(refs.fallbacks) == 1

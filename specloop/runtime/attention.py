@@ -104,14 +104,15 @@ class _Sparse:
     depths: torch.Tensor
     cells: torch.Tensor | None  # the rows' request cells (INT4 residual planes)
     longest: int  # the pass's longest context (host)
+    exited: torch.Tensor | None  # [N] the rows whose token exited before the pass (adaptive exit)
 
     @classmethod
-    def of(cls, lp: LoopPass) -> "_Sparse | None":
+    def of(cls, lp: LoopPass, keep: torch.Tensor | None) -> "_Sparse | None":
         if lp.sparse is None:
             return None
         return cls(lp.sparse, lp.tables, lp.positions, lp.table_offsets, lp.token_slots, lp.depths,
                    lp.residual.cells if lp.residual is not None else None,
-                   max((g.context for g in lp.groups), default=0))
+                   max((g.context for g in lp.groups), default=0), keep)
 
 
 class TorchAttention:
@@ -145,7 +146,7 @@ class TorchAttention:
         readers = None
         if lp.encode_plan is not None:
             readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
-        return TorchMeta(lp.write_slots, keep, singles, groups, readers, _Sparse.of(lp))
+        return TorchMeta(lp.write_slots, keep, singles, groups, readers, _Sparse.of(lp, keep))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
@@ -243,11 +244,11 @@ class TritonAttention:
             if splits is None:
                 splits = packed_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
             return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                              readers, lp.table_offsets, _Sparse.of(lp))
+                              readers, lp.table_offsets, _Sparse.of(lp, keep))
         if splits is None:  # eager: from this call's tiles and longest context
             splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                          sparse=_Sparse.of(lp))
+                          sparse=_Sparse.of(lp, keep))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
@@ -284,7 +285,7 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
                              sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
         read = gathered_reader(keys_of, sparse.longest, kv.page_size)
     return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
-                                     use_triton)
+                                     use_triton, sparse.exited)
 
 
 def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, num_kv_heads: int,

@@ -93,46 +93,57 @@ class DecodeReferences:
         self.present.index_fill_(0, decode, False)
 
     def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-               token_slots: torch.Tensor, read: KeyReader, use_triton: bool) -> torch.Tensor:
+               token_slots: torch.Tensor, read: KeyReader, use_triton: bool,
+               exited: torch.Tensor | None = None) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
         tokens' rows replaced: sources keep their state and output O_ref, corrections output
-        the corrected attention where their state is present. One layer; `read` gives the
-        keys a set of rows reads (`KeyReader`); no host sync."""
+        the corrected attention where their state is present. Rows whose token exited
+        (`exited` [N], adaptive exit: their outputs are dropped) run neither. One layer;
+        `read` gives the keys a set of rows reads (`KeyReader`); no host sync."""
         if rows.source.numel():
-            self._source(layer, rows.source, q, out, positions, token_slots, read, use_triton)
+            self._source(layer, rows.source, q, out, positions, token_slots, read, use_triton, exited)
         if rows.correction.numel():
-            self._correct(layer, rows.correction, q, out, positions, token_slots, read, use_triton)
+            self._correct(layer, rows.correction, q, out, positions, token_slots, read, use_triton, exited)
         return out
 
     def _source(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                token_slots: torch.Tensor, read: KeyReader, use_triton: bool) -> None:
+                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
+        run = _running(r, exited)
         k_cache, v_cache, tables, offsets, page_size = read(r)
-        src = decode_source(q[r].contiguous(), k_cache, v_cache, tables, positions[r].contiguous(), offsets,
+        src = decode_source(q[r].contiguous(), k_cache, v_cache, tables, torch.where(run, positions[r], -1), offsets,
                             page_size, self.key_retention, self.capacity, max_context=self.max_context,
-                            use_triton=use_triton)
+                            out=out[r].contiguous(), use_triton=use_triton)
         slots = token_slots[r]
         self.keys[slots, layer] = src.keys
         self.count[slots] = src.count
         self.mass[slots, layer] = src.mass.to(self.mass.dtype)
         self.o_ref[slots, layer] = src.o_ref.to(self.o_ref.dtype)
         self.c_ref[slots, layer] = src.c_ref.to(self.c_ref.dtype)
-        self.present[slots, layer] = True
+        self.present[slots, layer] = run
         out[r] = src.out
 
     def _correct(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool) -> None:
+                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
         slots = token_slots[r]
+        run = _running(r, exited)
         present = self.present[slots, layer]
         count = torch.where(present, self.count[slots], 0)  # a missing state is never read
         source = DecodeSource(self.keys[slots, layer], count, self.mass[slots, layer], self.o_ref[slots, layer],
                               self.c_ref[slots, layer], out[r])
-        at = torch.where(present, positions[r], -1).contiguous()
+        at = torch.where(present & run, positions[r], -1).contiguous()
         k_cache, v_cache, tables, offsets, page_size = read(r)
         corrected = decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, source,
                                       out=out[r].contiguous(), use_triton=use_triton)
         out[r] = corrected
         if layer == 0:
-            self.fallbacks += (~present).sum()
+            self.fallbacks += (~present & run).sum()
+
+
+def _running(r: torch.Tensor, exited: torch.Tensor | None) -> torch.Tensor:
+    """[n] bool: rows r whose token has not exited."""
+    if exited is None:
+        return torch.ones(r.shape, dtype=torch.bool, device=r.device)
+    return ~exited[r]
 
 
 KeyReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]
