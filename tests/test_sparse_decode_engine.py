@@ -245,14 +245,47 @@ def test_configuration_errors_are_one_line(value, message):
         SparseDecodeAttention.parse(value)
 
 
-def test_defaults_budgets_and_summary():
+def test_defaults_and_summary():
     assert not SparseDecodeAttention().enabled
     group = SparseDecodeAttention.parse("{}")
     assert group.enabled and group.key_retention == 0.10
-    assert [group.budget(n) for n in (1, 9, 10, 11, 30, 31)] == [key_budget(n, 0.1) for n in (1, 9, 10, 11, 30, 31)]
-    assert group.budget(30) == 3  # exact: not the float product's 4
+    assert key_budget(30, group.key_retention) == 3  # exact: not the float product's 4
     summary = EngineConfig(model="m", sparse_decode_attention={"key_retention": 0.25}).summary()
     assert summary["sparse_decode_attention"] == {"enabled": True, "key_retention": 0.25}
+
+
+def test_a_tight_decode_pool_only_slows_entry(tiny_ckpt):
+    """One request cell: the decode sub-pool holds 3 slots in plain decoding, fewer than a
+    recompute's replay of 5 generated tokens needs at once; the replay enters as slots free
+    up, and the request resumes on the reference's tokens with nothing leaked (a pipeline's
+    12 slots, likewise)."""
+    for mode in ("plain", "pipeline-d1"):
+        engine = _engine(tiny_ckpt, max_num_seqs=1, **MODES[mode])
+        engine.add_request("r0", PROMPTS[0], GREEDY)
+        out: list[int] = []
+        logprobs: list[float] = []
+        for step in range(400):
+            if len(out) == 5 and not engine.requests["r0"].num_preemptions:
+                engine.scheduler.preempt(engine.requests["r0"])
+            for o in engine.step():
+                out.extend(o.token_ids)
+                logprobs.extend(o.logprobs)
+            if not engine.has_unfinished():
+                break
+        assert engine.scheduler.num_preemptions == 1 and not engine.has_unfinished()
+        if mode == "plain":  # the replay's 5 generated tokens wait for slots (the pipeline's 12 hold them)
+            assert engine.scheduler.token_slots.decode_size < 5
+        assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
+        _check(tiny_ckpt, {"r0": (out, logprobs)}, PROMPTS[:1])
+
+
+def test_window_slots_count_the_general_pool_only(tiny_ckpt):
+    """Prompt windows take general slots: a window larger than the general pool is refused
+    at start-up with sparse decode on as without it (the decode sub-pool does not count)."""
+    for decode in (None, {"key_retention": RETENTION}):
+        with pytest.raises(ConfigError, match="exceeds the engine's 56 token slots"):
+            _engine(tiny_ckpt, max_num_batched_tokens=8, token_sparse_prefill={"window": 64},
+                    sparse_decode_attention=decode)
 
 
 def test_generated_tokens_take_the_decode_sub_pool():
@@ -301,7 +334,7 @@ def test_a_missing_reference_is_never_read():
     q = torch.randn(1, 2, 8)
     dense = torch.randn(1, 2, 8)
     rows = SparseRows(torch.zeros(0, dtype=torch.long), torch.tensor([0]))
-    args = (torch.tensor([9]), torch.tensor([2]), paged_reader(k, v, tables, torch.tensor([0]), 4), False)
+    args = (torch.tensor([9]), torch.tensor([2]), paged_reader(k, v, tables, torch.tensor([0]), 4), False, 10)
     refs.enter(torch.tensor([2]))
     out = refs.attend(0, rows, q, dense.clone(), *args)
     assert torch.equal(out, dense) and int(refs.fallbacks) == 1

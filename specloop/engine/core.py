@@ -151,13 +151,15 @@ class EngineCore:
             if rows < per_request:
                 raise ConfigError(f"max_num_batched_tokens ({rows}) must be at least {per_request} for "
                                   f"{config.speculation} speculation with these settings")
-            num_token_slots += 2 * per_request * config.max_num_seqs
+            if not decode_slots:  # (with sparse decode its generated tokens take decode slots)
+                num_token_slots += 2 * per_request * config.max_num_seqs
             heads = SpeculationHeads(config.max_num_seqs, speculation.draft_width, mcfg.vocab_size,
                                      self.model.dtype, device, verifier).registry()
-        num_token_slots += decode_slots  # slots [0, decode_slots): generated tokens' (sparse decode attention)
         sparse = config.token_sparse_prefill
         sparse.check(mcfg.num_loops)
+        # (prompt windows take general slots only: checked before the decode sub-pool joins)
         window_slots = _window_slots(sparse, rows, config.max_num_seqs, mcfg.num_loops, num_token_slots)
+        num_token_slots += decode_slots  # slots [0, decode_slots): generated tokens' (sparse decode attention)
         self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
         residuals, residual_ints = self._residuals(num_pages, device, speculation)
         self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,

@@ -110,10 +110,6 @@ class SparseDecodeAttention:
         """From None (off), a dict, a JSON object string, or an instance; `{}` is on with the defaults."""
         return _parse_group(cls, "sparse_decode_attention", value)
 
-    def budget(self, n: int) -> int:
-        """Keys a query with n causal keys keeps (exact: the retention read as its decimal)."""
-        return min(n, max(1, math.ceil(Fraction(repr(self.key_retention)) * n)))
-
 
 RESIDUAL_POLICIES = ("serial", "execution")
 RESIDUAL_BITS = 4  # two codes a byte: the only width the codec packs

@@ -230,9 +230,9 @@ def _reconstructed(
     DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
-    """K and V [BLOCK_N, BLOCK_D] of the block's keys reconstructed at `depth` where `recon`,
-    fp32 holding DTYPE values, 0 elsewhere: plane 0's decode plus the residual of each plane
-    1..depth with a row (rows and records from `_plane_rows`)."""
+    """K and V [BLOCK_N, BLOCK_D] of the block's keys reconstructed at the rows' depth where
+    `recon`, fp32 holding DTYPE values, 0 elsewhere: plane 0's decode plus the residual of
+    each plane up to the depth with a row (planes past it have none: `_plane_rows`)."""
     k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     k, v = _plane_decode(k, v, r0, c0, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
@@ -553,7 +553,7 @@ def packed_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: 
     only batch 1 was swept)."""
     base = choose_splits(num_tiles, num_kv_heads, max_context, num_sms)
     waves = max(1, 8 * num_sms // max(1, num_tiles * num_kv_heads))
-    return max(base, min(64, waves, -(-max_context // 512)))
+    return max(base, min(64, waves, max_context // 512))
 
 
 def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,

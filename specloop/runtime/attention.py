@@ -285,7 +285,7 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
                              sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
         read = gathered_reader(keys_of, sparse.longest, kv.page_size)
     return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
-                                     use_triton, sparse.exited)
+                                     use_triton, sparse.longest, sparse.exited)
 
 
 def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, num_kv_heads: int,

@@ -451,7 +451,8 @@ class ForwardBatchBuilder:
         batch = self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
                             host_groups, results)
         for lp, (at, ns, nc) in zip(batch.passes, sparse_at):
-            lp.sparse = SparseRows(dev_ints[at: at + ns], dev_ints[at + ns: at + ns + nc])
+            if ns + nc:  # a pass of prompt rows alone has none
+                lp.sparse = SparseRows(dev_ints[at: at + ns], dev_ints[at + ns: at + ns + nc])
         if windows:
             batch.windows = self._window_views(windows, dev_ints, window_at)
         if self.residual:

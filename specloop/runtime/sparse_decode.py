@@ -66,7 +66,8 @@ class DecodeReferences:
         self.mass = torch.zeros(num_slots, num_layers, num_heads, dtype=acc, device=device)
         self.o_ref = torch.zeros(num_slots, num_layers, num_heads, head_dim, dtype=acc, device=device)
         self.c_ref = torch.zeros_like(self.o_ref)
-        self.present = torch.zeros(num_slots, num_layers, dtype=torch.bool, device=device)
+        # One row past the decode slots: the sink `enter` sends other slots to (no mask, no sync).
+        self.present = torch.zeros(num_slots + 1, num_layers, dtype=torch.bool, device=device)
         self.fallbacks = torch.zeros((), dtype=torch.long, device=device)  # correction rows served dense
         # Its host copy, refreshed behind each call's work (`publish`): stats never wait on the device.
         self.fallbacks_host = torch.zeros((), dtype=torch.long, pin_memory=device.type == "cuda")
@@ -79,7 +80,7 @@ class DecodeReferences:
         """Device bytes of the state for `num_slots` slots (what the KV budget leaves room for)."""
         acc = torch.promote_types(dtype, torch.float32).itemsize
         per_head = key_budget(max_context, key_retention) * 4 + acc * (1 + 2 * head_dim)
-        return num_slots * (num_layers * (num_heads * per_head + 1) + 4)
+        return num_slots * (num_layers * (num_heads * per_head + 1) + 4) + num_layers  # + the sink row
 
     def publish(self) -> None:
         """Copy the fallback count to the host behind the call's work (complete once the
@@ -89,33 +90,37 @@ class DecodeReferences:
     def enter(self, slots: torch.Tensor) -> None:
         """Tokens entering loop 1 in `slots`: a decode slot's state is missing until its
         token's loop 2 writes it (other slots hold none)."""
-        decode = slots[slots < self.num_slots]
-        self.present.index_fill_(0, decode, False)
+        self.present.index_fill_(0, torch.where(slots < self.num_slots, slots, self.num_slots), False)
 
     def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-               token_slots: torch.Tensor, read: KeyReader, use_triton: bool,
+               token_slots: torch.Tensor, read: KeyReader, use_triton: bool, context: int,
                exited: torch.Tensor | None = None) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
         tokens' rows replaced: sources keep their state and output O_ref, corrections output
         the corrected attention where their state is present. Rows whose token exited
         (`exited` [N], adaptive exit: their outputs are dropped) run neither. One layer;
-        `read` gives the keys a set of rows reads (`KeyReader`); no host sync."""
+        `read` gives the keys a set of rows reads (`KeyReader`); `context` (host) bounds
+        every row's position + 1; no host sync."""
         if rows.source.numel():
-            self._source(layer, rows.source, q, out, positions, token_slots, read, use_triton, exited)
+            self._source(layer, rows.source, q, out, positions, token_slots, read, use_triton, exited,
+                         min(context, self.max_context))
         if rows.correction.numel():
             self._correct(layer, rows.correction, q, out, positions, token_slots, read, use_triton, exited)
         return out
 
     def _source(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
+                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None,
+                context: int) -> None:
+        """`context`: the pass's longest context (host), which sizes the selection's scratch."""
         run = _running(r, exited)
         k_cache, v_cache, tables, offsets, page_size = read(r)
         src = decode_source(q[r].contiguous(), k_cache, v_cache, tables, torch.where(run, positions[r], -1), offsets,
-                            page_size, self.key_retention, self.capacity, max_context=self.max_context,
+                            page_size, self.key_retention, self.capacity, max_context=context,
                             out=out[r].contiguous(), use_triton=use_triton)
         slots = token_slots[r]
         self.keys[slots, layer] = src.keys
-        self.count[slots] = src.count
+        if layer == 0:  # the count depends on the position alone
+            self.count[slots] = src.count
         self.mass[slots, layer] = src.mass.to(self.mass.dtype)
         self.o_ref[slots, layer] = src.o_ref.to(self.o_ref.dtype)
         self.c_ref[slots, layer] = src.c_ref.to(self.c_ref.dtype)
@@ -128,13 +133,13 @@ class DecodeReferences:
         run = _running(r, exited)
         present = self.present[slots, layer]
         count = torch.where(present, self.count[slots], 0)  # a missing state is never read
+        dense = out[r]  # kept where no correction runs
         source = DecodeSource(self.keys[slots, layer], count, self.mass[slots, layer], self.o_ref[slots, layer],
-                              self.c_ref[slots, layer], out[r])
+                              self.c_ref[slots, layer], dense)
         at = torch.where(present & run, positions[r], -1).contiguous()
         k_cache, v_cache, tables, offsets, page_size = read(r)
-        corrected = decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, source,
-                                      out=out[r].contiguous(), use_triton=use_triton)
-        out[r] = corrected
+        out[r] = decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, source,
+                                   out=dense, use_triton=use_triton)
         if layer == 0:
             self.fallbacks += (~present & run).sum()
 

@@ -502,11 +502,12 @@ class Scheduler:
         generated ones (a recompute's replay) from the decode sub-pool; the caller checked
         that they are free (`_entry_rows`)."""
         split = sum(p < prompt for p in positions)
-        general = self.token_slots.take(split)
-        decode = self.token_slots.take(len(positions) - split, decode=True)
-        if general is None or decode is None:
+        pool = self.token_slots
+        enough = (split + len(positions) <= pool.num_free if not pool.decode_size else
+                  split <= pool.free_for(False) and len(positions) - split <= pool.free_for(True))
+        if not enough:  # before taking any: a half-taken set would leak
             raise AssertionError(f"no token slots for positions {positions[0]}..{positions[-1]}")
-        return general + decode
+        return pool.take(split) + pool.take(len(positions) - split, decode=True)
 
     def committed(self, req: Request, commit: Commit) -> None:
         """A committed result of a speculating request: the controller says what to roll back;
