@@ -12,7 +12,9 @@
 # graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
-# the packed reader's kernel tests and its engine and graph-replay tests only. Unset: tests,
+# the packed reader's kernel tests and its engine and graph-replay tests only; PART=sparse-decode
+# the sparse decode kernels' and engine's GPU tests, the no-sync cases, the feature matrix's graph
+# cells (greedy) and bench/sparse_decode_kernels.py. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -63,6 +65,14 @@ if [ "$PART" = reader-sweep ]; then  # the packed reader alone against the BF16 
   TAIL=80 step 300 python bench/packed_reader_sweep.py --out "$OUT/packed_reader_sweep_h200.json"
   TAIL=30 step 200 python bench/packed_reader_sweep.py --batch 32 --lengths 1024 --splits engine,8 --warps default \
     --out "$OUT/packed_reader_sweep_b32_h200.json"
+  exit 0
+fi
+if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine, no-sync, matrix graph cells
+  TAIL=6 step 120 python -m pytest -q -rf --tb=line tests/test_kernels_sparse_decode.py
+  TAIL=6 step 120 python -m pytest -q -rf --tb=line tests/test_cuda_no_sync.py tests/test_sparse_decode_engine.py \
+    -k "sparse or cuda"
+  TAIL=12 step 300 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py -k "graph and greedy"
+  TAIL=6 step 100 python bench/sparse_decode_kernels.py --reps 10 --out "$OUT/sparse_decode_kernels_h200.json"
   exit 0
 fi
 if [ "$PART" = residual-capacity ]; then

@@ -6,8 +6,9 @@ support yet (sparse decode attention) must fail with a capability error at start
 never run dense in silence.
 
 A cell runs two prompts (90 and 37 tokens) for 6 tokens and checks every emitted token's
-logprob against one reference forward over prompt + emitted tokens (1e-5 on CPU, 1e-4 on
-the GPU), and greedy tokens against the reference's argmax. With INT4 residuals (tail 16,
+logprob against one reference forward over prompt + emitted tokens (1e-5 on CPU; on the GPU
+1e-4, and 1e-3 with INT4 residuals, where a rounding apart flips a code), and greedy tokens
+against the reference's argmax. With INT4 residuals (tail 16,
 groups of 64) the long prompt's queries read sealed, reconstructed K/V; token-sparse
 prefill uses windows of 8 and retention 1, 1, 0.5, 0.25; sparse decode keeps 30% of the
 keys. Deeper checks of each feature live in their own modules
@@ -104,5 +105,8 @@ def test_graph_cell_matches_the_reference_or_is_refused(tiny_ckpt, combo, mode, 
     engine = _engine(tiny_ckpt, combo, mode, device="cuda")
     graphs = engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs
-    _check(tiny_ckpt, combo, run_all(engine, PROMPTS, SAMPLING[sampling]), sampling, 1e-4)
+    # INT4: a GPU rounding apart can flip a code at a rounding boundary, one quantization step
+    # (as test_cuda_graphs' residual cases allow); seen: 8.7e-4 for prefill+int4 at 416b9cb
+    tol = 1e-3 if combo[2] else 1e-4
+    _check(tiny_ckpt, combo, run_all(engine, PROMPTS, SAMPLING[sampling]), sampling, tol)
     assert graphs.replays > 0
