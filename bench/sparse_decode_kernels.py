@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,21 +29,7 @@ import torch
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention, query_tiles
 from specloop.kernels.sparse_decode import decode_correction, decode_source, key_budget, select_keys
 
-
-def time_ms(fn, reps: int) -> float:
-    fn()
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from packed_reader_sweep import time_ms  # noqa: E402 -- bench/ is the script's folder
 
 
 def main() -> None:

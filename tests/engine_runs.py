@@ -30,19 +30,7 @@ def run_staggered(engine: EngineCore, prompts: list[list[int]], max_tokens: int,
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
     seeded = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=seed, ignore_eos=True,
                             logprobs=True)
-    out: Outputs = {}
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished():
-        if pending:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, seeded if i == sampled else greedy)
-        for o in engine.step():
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
-    assert engine.kv.num_free_pages == engine.kv.num_pages
-    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
-    return out
+    return run_all(engine, prompts, [seeded if i == sampled else greedy for i in range(len(prompts))], stagger=True)
 
 
 def assert_same(got: Outputs, want: Outputs, tol: float) -> None:
@@ -67,13 +55,20 @@ def forbid_syncs(engine: EngineCore) -> None:
     engine.executor.submit = checked_submit
 
 
-def run_all(engine: EngineCore, prompts: list[list[int]], params: SamplingParams) -> Outputs:
-    """Every prompt submitted at once as r0, r1, ...; no request may fail, and every page
-    and token slot must return. Tokens and logprobs per request."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+def run_all(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+            stagger: bool = False) -> Outputs:
+    """Every prompt as r0, r1, ... (with `stagger`, one arrival per step, prefill beside
+    decodes; `params` one for all or one each); no request may fail, and every page and
+    token slot must return. Tokens and logprobs per request."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    pending = list(enumerate(prompts))
     out: Outputs = {}
-    while engine.has_unfinished():
+    while pending or engine.has_unfinished():
+        while pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, each[i])
+            if stagger:
+                break
         for o in engine.step():
             assert o.error is None, o.error
             tokens, logprobs = out.setdefault(o.request_id, ([], []))

@@ -29,7 +29,7 @@ from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from tests.conftest import weights_of
-from tests.engine_runs import forbid_syncs
+from tests.engine_runs import forbid_syncs, run_all
 
 MAX_TOKENS = 5
 _g = torch.Generator().manual_seed(0)
@@ -65,24 +65,7 @@ class Probe:
 
 def _run(engine: EngineCore, prompts, params=None, stagger: bool = False) -> dict[str, tuple[list[int], list[float]]]:
     params = params or SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    pending = list(enumerate(prompts))
-    if not stagger:
-        for i, prompt in pending:
-            engine.add_request(f"r{i}", prompt, params)
-        pending = []
-    while pending or engine.has_unfinished():
-        if pending:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
-        for o in engine.step():
-            assert o.error is None, o.error
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
-    assert engine.kv.num_free_pages == engine.kv.num_pages
-    assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
-    return out
+    return run_all(engine, prompts, params, stagger)
 
 
 @pytest.fixture(scope="module")
