@@ -503,7 +503,7 @@ class Scheduler:
         that they are free (`_entry_rows`)."""
         split = sum(p < prompt for p in positions)
         pool = self.token_slots
-        enough = (split + len(positions) <= pool.num_free if not pool.decode_size else
+        enough = (len(positions) <= pool.num_free if not pool.decode_size else
                   split <= pool.free_for(False) and len(positions) - split <= pool.free_for(True))
         if not enough:  # before taking any: a half-taken set would leak
             raise AssertionError(f"no token slots for positions {positions[0]}..{positions[-1]}")
