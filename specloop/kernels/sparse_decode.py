@@ -91,11 +91,12 @@ Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the interpret
 dot is wrong) and bf16 outputs are rounded by hand (`rounding.round_to`), see
 ../shared/docs/gpu.md.
 
-Not done yet: INT4 packed (reconstructed) reads for the correction (it reads the BF16
-pool only); CUDA-graph buffer sizing (the scratch and the source are allocated per call;
-`out` can be passed); a fused device selection (the topk runs in torch); split-KV for long
-contexts in the scores kernel; performance is untested on a GPU (block sizes and warps are
-untuned; under the interpreter only correctness is checked).
+Not done yet: packed INT4 tiles (the runtime gathers reconstructed keys into a paged
+scratch for these kernels, `runtime.sparse_decode.gathered_reader`); CUDA-graph buffer
+sizing (the scratch and the source are allocated per call; `out` can be passed); a fused
+device selection (the topk runs in torch); split-KV in the scores and correction kernels
+(on the H200 the source costs 4-20x a dense loop and the correction loses at batch 1:
+bench/results/sparse_decode_kernels_h200.json); block sizes and warps are untuned.
 """
 
 from __future__ import annotations
