@@ -122,6 +122,23 @@ def test_with_int4_residuals(tiny_ckpt, case):
            kv_tail=tail)
 
 
+def test_with_int4_residuals_execution_policy(tiny_ckpt):
+    """The execution policy (groups seal at the passes' safe points): one request alone, its
+    prompt in passes of 64 positions, against the reference with the same safe points."""
+    engine = _engine(tiny_ckpt, kv_residual_quantization={"tail": 5, "policy": "execution"},
+                     max_num_batched_tokens=64)
+    tokens, logprobs = _run(engine, KV_PROMPTS[:1])["r0"]
+    prompt = KV_PROMPTS[0]
+    feats = FlashLoopFeatures(sparse_decode=SparseDecode(key_retention=RETENTION),
+                              kv_residual=KVResidual(bits=4, group_size=64, tail=5, policy="execution", chunk=64))
+    want = reference_logprobs(tiny_ckpt, prompt, tokens, feats)
+    assert tokens == want.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64),
+                               want[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-5, rtol=1e-5)
+    serial = reference_logprobs(tiny_ckpt, prompt, tokens, _features(True, False, 5))
+    assert not torch.allclose(want, serial, atol=1e-6), "the policies read differently"
+
+
 @pytest.mark.parametrize("policy, mode", [("recompute", "plain"), ("recompute", "pipeline-d1"),
                                           ("swap", "plain"), ("swap", "pipeline-d1"), ("swap", "block-d2")])
 def test_preemption_resumes_exactly(tiny_ckpt, policy, mode):
