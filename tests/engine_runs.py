@@ -55,6 +55,15 @@ def forbid_syncs(engine: EngineCore) -> None:
     engine.executor.submit = checked_submit
 
 
+def step_into(engine: EngineCore, out: Outputs) -> None:
+    """One engine step; its outputs join `out` (no request may fail)."""
+    for o in engine.step():
+        assert o.error is None, o.error
+        tokens, logprobs = out.setdefault(o.request_id, ([], []))
+        tokens.extend(o.token_ids)
+        logprobs.extend(o.logprobs or [])
+
+
 def run_all(engine: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
             stagger: bool = False) -> Outputs:
     """Every prompt as r0, r1, ... (with `stagger`, one arrival per step, prefill beside
@@ -69,11 +78,7 @@ def run_all(engine: EngineCore, prompts: list[list[int]], params: SamplingParams
             engine.add_request(f"r{i}", prompt, each[i])
             if stagger:
                 break
-        for o in engine.step():
-            assert o.error is None, o.error
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
+        step_into(engine, out)
     assert engine.kv.num_free_pages == engine.kv.num_pages
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
     return out

@@ -27,7 +27,7 @@ from specloop.runtime.forward_batch import _sparse_rows
 from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, paged_reader
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
-from tests.engine_runs import MODES, reference_logprobs, run_all
+from tests.engine_runs import MODES, reference_logprobs, run_all, step_into
 
 RETENTION = 0.3
 MAX_TOKENS = 8
@@ -156,11 +156,7 @@ def test_preemption_resumes_exactly(tiny_ckpt, policy, mode):
         if running and step % 5 == 2:
             engine.scheduler.preempt(running[0])
             preempted += 1
-        for o in engine.step():
-            assert o.error is None, o.error
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
+        step_into(engine, out)
         step += 1
         assert step < 2000
     assert preempted >= 3
