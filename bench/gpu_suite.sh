@@ -14,7 +14,8 @@
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
 # the packed reader's kernel tests and its engine and graph-replay tests only; PART=sparse-decode
 # the sparse decode kernels' and engine's GPU tests, the no-sync cases, the feature matrix's graph
-# cells (greedy) and bench/sparse_decode_kernels.py. Unset: tests,
+# cells (greedy) and bench/sparse_decode_kernels.py; PART=flashloop-speed bench/flashloop_speed.py (SPEC,
+# VARIANTS, CASES). Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -67,12 +68,20 @@ if [ "$PART" = reader-sweep ]; then  # the packed reader alone against the BF16 
     --out "$OUT/packed_reader_sweep_b32_h200.json"
   exit 0
 fi
-if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine, no-sync, matrix graph cells
-  TAIL=6 step 120 python -m pytest -q -rf --tb=line tests/test_kernels_sparse_decode.py
-  TAIL=6 step 120 python -m pytest -q -rf --tb=line tests/test_cuda_no_sync.py tests/test_sparse_decode_engine.py \
+if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine, no-sync, graphs, matrix graph cells
+  TAIL=6 step 120 python -m pytest -q -rf --tb=line -n 8 -p xdist tests/test_kernels_sparse_decode.py
+  TAIL=8 step 200 python -m pytest -q -rf --tb=line tests/test_cuda_no_sync.py tests/test_sparse_decode_engine.py \
     -k "sparse or cuda"
-  TAIL=12 step 300 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py -k "graph and greedy"
-  TAIL=6 step 100 python bench/sparse_decode_kernels.py --reps 10 --out "$OUT/sparse_decode_kernels_h200.json"
+  TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py
+  TAIL=12 step 300 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py -k "graph and ${CELLS:-greedy}"
+  TAIL=12 step 100 python bench/sparse_decode_kernels.py --reps 10 --out "$OUT/sparse_decode_kernels_h200.json"
+  exit 0
+fi
+if [ "$PART" = flashloop-speed ]; then  # bench/flashloop_speed.py: SPEC (none,block) and VARIANTS, CASES
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  TAIL=60 step 560 python bench/flashloop_speed.py --model /tmp/ouro14 --speculation "${SPEC:-none}" \
+    --variants "${VARIANTS:-dense,prefill,sparse-decode,int4,all}" --cases "${CASES:-1x8192,1x32768,32x8192}" \
+    --out "$OUT/flashloop_speed_${SPEC:-none}_h200.json"
   exit 0
 fi
 if [ "$PART" = residual-capacity ]; then

@@ -25,10 +25,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
                                   {"kv_residual_quantization": {"tail": 2, "policy": "execution"},
                                    "speculation": "block"},
                                   {"sparse_decode_attention": {}, "enforce_eager": True},
+                                  {"sparse_decode_attention": {}, "speculation": "block"},
                                   {"sparse_decode_attention": {}, "enforce_eager": True, "speculation": "pipeline",
                                    "draft_loops": 1, "kv_residual_quantization": {"tail": 2}}],
                          ids=["plain", "exit", "block", "pipeline", "int4", "int4-exec-block", "sparse-decode",
-                              "sparse-decode-pipeline-int4"])
+                              "sparse-decode-graphs-block", "sparse-decode-pipeline-int4"])
 def test_submit_does_not_synchronise(tiny_ckpt, spec):
     engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cuda", dtype="float32",
                                                  kv_cache_bytes=64 << 20, max_num_batched_tokens=16, **spec))

@@ -1,9 +1,9 @@
 """The FlashLoop feature matrix: every on/off combination of the three lazy updates x
 {plain, block rounds, token pipelines} x {greedy, seeded sampling}, eager on CPU through
 the torch backend (fp32), each against the FlashLoop reference with the same
-configuration; and on the GPU under CUDA graphs, where a combination the graphs do not
-support yet (sparse decode attention) must fail with a capability error at start-up,
-never run dense in silence.
+configuration; and on the GPU under CUDA graphs (fp32, the Triton backend), where every
+cell must replay graphs, and the sparse decode cells their own graphs for passes with
+generated-token rows (with INT4 residuals those passes run eager, which the cell checks).
 
 A cell runs two prompts (90 and 37 tokens) for 6 tokens and checks every emitted token's
 logprob against one reference forward over prompt + emitted tokens (1e-5 on CPU; on the GPU
@@ -24,7 +24,6 @@ import torch
 
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
-from specloop.errors import ConfigError
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill
 from specloop.sampling_params import SamplingParams
 from tests.engine_runs import MODES, reference_logprobs, run_all
@@ -95,13 +94,11 @@ def test_eager_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("mode", list(SPEC))
 @pytest.mark.parametrize("combo", COMBOS, ids=_name)
-def test_graph_cell_matches_the_reference_or_is_refused(tiny_ckpt, combo, mode, sampling):
-    """CUDA graphs on (the default on CUDA), fp32: a cell with sparse decode attention is
-    refused with a capability error (not built yet); every other runs replayed passes."""
-    if combo[1]:
-        with pytest.raises(ConfigError, match="sparse_decode_attention does not support yet: CUDA graphs"):
-            _engine(tiny_ckpt, combo, mode, device="cuda")
-        return
+def test_graph_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
+    """CUDA graphs on (the default on CUDA), fp32, the Triton backend: every cell runs
+    replayed passes. With sparse decode attention the passes with generated-token rows
+    replay their own graphs, except with INT4 residuals, where they run eager (their keys
+    are gathered per row, `gathered_reader`)."""
     engine = _engine(tiny_ckpt, combo, mode, device="cuda")
     graphs = engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs
@@ -110,3 +107,4 @@ def test_graph_cell_matches_the_reference_or_is_refused(tiny_ckpt, combo, mode, 
     tol = 1e-3 if combo[2] else 1e-4
     _check(tiny_ckpt, combo, run_all(engine, PROMPTS, SAMPLING[sampling]), sampling, tol)
     assert graphs.replays > 0
+    assert (graphs.sparse_replays > 0) == (combo[1] and not combo[2])

@@ -1,25 +1,30 @@
 """Sparse decode attention (RFC 3.2): the torch references against the FlashLoop reference
-pieces, and the Triton kernels against the references, on random paged caches.
+pieces, and the Triton kernels against the references, on random paged caches and a
+slot-indexed state.
 
 Runs natively on CUDA and under Triton's interpreter on CPU (tests/conftest.py sets
 TRITON_INTERPRET=1 when there is no GPU). Each case holds a few decode rows at different,
-unsorted positions (context 1 to 200 keys), each with its own shuffled page tables for
-depth 2 (the source) and depth 3 (the correction) over one pool.
+unsorted positions (context 1 to 200 keys, some rows padding), each with its own shuffled
+page tables for depth 2 (the source) and depth 3 (the correction) over one pool, and its own
+token slot in a state with more slots than rows. `dense` (the caller's loop-2 attention) is
+the rows' true loop-2 attention, computed in fp64 and rounded to the dtype.
 
 Tolerances (absolute and relative alike):
-- references vs `flashloop_reference` (fp64 inputs): selection and counts equal, values
+- references vs `flashloop_reference` (fp64 inputs): kept key sets and counts equal, values
   1e-12 (REFERENCE_TOL);
-- Triton vs reference: fp32 inputs 1e-5 for the state (mass, o_ref, c_ref) and the outputs;
-  bf16 / fp16 inputs 1e-4 for the state (both sides compute in fp32 from the same rounded
-  values) and 2e-2 for the outputs (out, the correction), which are rounded to the dtype
-  (STATE_TOL, OUT_TOL). The kernel's `out` equals its o_ref rounded once, exactly;
-- selection (keys in rank order) is compared for equality only on inputs where, in every
-  row and head, consecutive ranked probabilities among the first b + 1 differ by more than
-  1e-5 relative in fp64 (GAP; fp32 P carries about 1e-6 relative error); other draws are
-  redrawn. Ties are tested separately with exactly equal scores (dyadic inputs, every
-  product and sum exact);
+- Triton vs reference: fp32 inputs 1e-5 for mass and c_ref and the corrected outputs;
+  bf16 / fp16 inputs 1e-4 for mass and c_ref (both sides compute in fp32 from the same
+  rounded values) and 2e-2 for the corrected outputs, rounded to the dtype (STATE_TOL,
+  OUT_TOL); o_ref is dense in fp32, exactly, on both sides;
+- kept key sets are compared for equality only on inputs where, in every row and head, the
+  b-th and (b+1)-th largest probabilities differ by more than 1e-5 relative in fp64 (GAP;
+  fp32 P carries about 1e-6 relative error; the kept set is stored in position order, so
+  the order within it does not matter); other draws are redrawn. Ties are tested
+  separately with exactly equal scores (dyadic inputs, every product and sum exact);
 - key_retention 1.0: the correction equals dense attention at depth 3 to 1e-12 (fp64
   reference) and 1e-5 (fp32 kernel).
+Small kernel blocks (`SMALL`) make the select passes, the gathers and the scores splits
+run over several blocks at these short contexts.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ import pytest
 import torch
 
 from specloop.kernels.sparse_decode import (
-    DecodeSource, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
-    decode_source, key_budget, key_budgets, source_reference, source_triton,
+    Blocks, SlotState, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
+    decode_source, key_budget, key_budgets, scratch_rows, source_reference, source_triton,
 )
 from specloop.model.flashloop_reference import (
     _causal_probs, _per_head, corrected_attention, decode_budget, decode_reference,
@@ -44,7 +49,11 @@ STATE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}
 OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 GAP = 1e-5
 POSITIONS = [150, 0, 29, 199, 5, 99]  # unsorted; n = 1, a short row, 10% of 30 exact, ...
+PADDED = [150, -1, 0, 29, 199, -1, 5, 99]  # the same rows with padding rows between them
 MAX_CONTEXT = 200
+PAD_SLOT = 1 << 40  # a padding row's slot: never dereferenced
+SMALL = Blocks(scores=16, select=32, gather=16, correction=16, splits=3)
+SLOT_FIELDS = ("keys", "count", "mass", "o_ref", "c_ref")
 
 
 @dataclasses.dataclass
@@ -58,6 +67,9 @@ class Case:
     off2: torch.Tensor  # each row's depth-2 table offset
     off3: torch.Tensor  # each row's depth-3 table offset
     page_size: int
+    slots: torch.Tensor  # [N] int64, each row's token slot (PAD_SLOT for padding rows)
+    num_slots: int
+    dense: torch.Tensor | None = None  # [N, Hq, D] loop-2 attention (zeros on padding rows)
 
     def source_args(self) -> tuple:
         return self.q2, self.k, self.v, self.tables, self.positions, self.off2, self.page_size
@@ -65,11 +77,16 @@ class Case:
     def correction_args(self) -> tuple:
         return self.q3, self.k, self.v, self.tables, self.positions, self.off3, self.page_size
 
+    def state(self, capacity: int, dtype: torch.dtype = torch.float32) -> SlotState:
+        return SlotState.zeros(self.num_slots, self.q2.shape[1], self.q2.shape[2], capacity, dtype=dtype,
+                               device=DEVICE)
+
 
 def _case(seed: int, positions: list[int], heads: int = 4, kv_heads: int = 2, dim: int = 32, page_size: int = 16,
-          dtype: torch.dtype = torch.float32, pages: int = 48) -> Case:
+          dtype: torch.dtype = torch.float32, pages: int = 48, spare_slots: int = 3) -> Case:
     gen = torch.Generator().manual_seed(seed)
     n = len(positions)
+    pages = max(pages, -(-MAX_CONTEXT // page_size))
     k = torch.randn(pages * page_size, kv_heads, dim, generator=gen)
     v = torch.randn(pages * page_size, kv_heads, dim, generator=gen)
     q2, q3 = torch.randn(n, heads, dim, generator=gen), torch.randn(n, heads, dim, generator=gen)
@@ -79,16 +96,33 @@ def _case(seed: int, positions: list[int], heads: int = 4, kv_heads: int = 2, di
         for offsets in (off2, off3):
             offsets.append(len(tables))
             tables.extend(torch.randperm(pages, generator=gen)[:need].tolist())
+    slots = torch.randperm(n + spare_slots, generator=gen)[:n]
+    slots = torch.where(torch.tensor(positions) < 0, PAD_SLOT, slots)
     to = dict(device=DEVICE)
-    return Case(q2.to(dtype).to(**to), q3.to(dtype).to(**to), k.to(dtype).to(**to), v.to(dtype).to(**to),
+    case = Case(q2.to(dtype).to(**to), q3.to(dtype).to(**to), k.to(dtype).to(**to), v.to(dtype).to(**to),
                 torch.tensor(tables, dtype=torch.int32, **to), torch.tensor(positions, **to),
-                torch.tensor(off2, **to), torch.tensor(off3, **to), page_size)
+                torch.tensor(off2, **to), torch.tensor(off3, **to), page_size, slots.to(**to), n + spare_slots)
+    return dataclasses.replace(case, dense=_loop2_attention(case))
 
 
-def _dense(cache: torch.Tensor, case: Case, offset: int, pos: int) -> torch.Tensor:
+def _rows_kv(cache: torch.Tensor, case: Case, offset: int, pos: int) -> torch.Tensor:
     """A row's keys 0..pos read through its page table: [pos + 1, Hkv, D]."""
     j = torch.arange(pos + 1, device=cache.device)
     return cache[case.tables[offset + j // case.page_size].long() * case.page_size + j % case.page_size]
+
+
+def _loop2_attention(case: Case) -> torch.Tensor:
+    """Each row's dense loop-2 attention in fp64, rounded to the dtype; zeros on padding rows."""
+    heads = case.q2.shape[1]
+    out = torch.zeros_like(case.q2)
+    for i, pos in enumerate(case.positions.tolist()):
+        if pos >= 0:
+            at = case.positions[i:i + 1]
+            k2 = _per_head(_rows_kv(case.k, case, int(case.off2[i]), pos), heads).double()
+            v2 = _per_head(_rows_kv(case.v, case, int(case.off2[i]), pos), heads).double()
+            probs = _causal_probs(case.q2[i:i + 1].double(), at, k2)[:, 0]  # [Hq, n]
+            out[i] = torch.einsum("hn,nhd->hd", probs, v2).to(case.q2.dtype)
+    return out
 
 
 def _flashloop_row(case: Case, i: int, retention: float):
@@ -97,10 +131,10 @@ def _flashloop_row(case: Case, i: int, retention: float):
     heads, dim = case.q2.shape[1], case.q2.shape[2]
     pos = int(case.positions[i])
     at = case.positions[i:i + 1]
-    k2 = _per_head(_dense(case.k, case, int(case.off2[i]), pos), heads)  # [n, Hq, D]
-    v2 = _per_head(_dense(case.v, case, int(case.off2[i]), pos), heads)
-    k3 = _per_head(_dense(case.k, case, int(case.off3[i]), pos), heads).transpose(0, 1)  # [Hq, n, D]
-    v3 = _per_head(_dense(case.v, case, int(case.off3[i]), pos), heads).transpose(0, 1)
+    k2 = _per_head(_rows_kv(case.k, case, int(case.off2[i]), pos), heads)  # [n, Hq, D]
+    v2 = _per_head(_rows_kv(case.v, case, int(case.off2[i]), pos), heads)
+    k3 = _per_head(_rows_kv(case.k, case, int(case.off3[i]), pos), heads).transpose(0, 1)  # [Hq, n, D]
+    v3 = _per_head(_rows_kv(case.v, case, int(case.off3[i]), pos), heads).transpose(0, 1)
     probs = _causal_probs(case.q2[i:i + 1], at, k2)[:, 0]  # [Hq, n]
     ref = decode_reference(probs, v2.transpose(0, 1).to(probs.dtype), decode_budget(pos + 1, retention))
     index = ref.keys[..., None].expand(-1, -1, dim)
@@ -112,22 +146,23 @@ def _flashloop_row(case: Case, i: int, retention: float):
 
 
 def _well_separated(case: Case, retention: float) -> bool:
-    """Every row and head: consecutive ranked probabilities among the first b + 1 differ by
-    more than GAP relative (fp64 over the case's rounded inputs)."""
+    """Every row and head: the b-th and (b+1)-th largest probabilities differ by more than
+    GAP relative (fp64 over the case's rounded inputs)."""
     wide = dataclasses.replace(case, q2=case.q2.double(), q3=case.q3.double(), k=case.k.double(), v=case.v.double())
     for i, pos in enumerate(case.positions.tolist()):
-        if pos < 0:
+        b = decode_budget(pos + 1, retention)
+        if pos < 0 or b == pos + 1:
             continue
         _, _, probs, _ = _flashloop_row(wide, i, retention)
-        top = probs.sort(-1, descending=True).values[:, : decode_budget(pos + 1, retention) + 1]
-        if top.shape[-1] > 1 and ((top[:, :-1] - top[:, 1:]) <= GAP * top[:, :-1]).any():
+        top = probs.sort(-1, descending=True).values
+        if ((top[:, b - 1] - top[:, b]) <= GAP * top[:, b - 1]).any():
             return False
     return True
 
 
-def _separated_case(seed: int, retention: float, **kw) -> Case:
+def _separated_case(seed: int, retention: float, positions: list[int] = PADDED, **kw) -> Case:
     for attempt in range(20):
-        case = _case(seed * 100 + attempt, POSITIONS, **kw)
+        case = _case(seed * 100 + attempt, positions, **kw)
         if _well_separated(case, retention):
             return case
     raise AssertionError("no well-separated draw in 20 seeds")
@@ -137,58 +172,85 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     torch.testing.assert_close(got.to(want.dtype), want, atol=tol, rtol=tol)
 
 
-def _source_close(got: DecodeSource, want: DecodeSource, dtype: torch.dtype) -> None:
-    assert torch.equal(got.count, want.count)
-    assert torch.equal(got.keys, want.keys)
-    for name in ("mass", "o_ref", "c_ref"):
-        _close(getattr(got, name), getattr(want, name), STATE_TOL[dtype])
-    _close(got.out.float(), want.out.float(), OUT_TOL[dtype])
+def _kept(state: SlotState, slot: int) -> torch.Tensor:
+    """A slot's kept keys per head [Hq, count]."""
+    return state.keys[slot, :, : int(state.count[slot])]
+
+
+def _state_close(got: SlotState, want: SlotState, case: Case, dtype: torch.dtype, retention: float) -> None:
+    """The slots of the case's rows: equal counts and kept keys, close statistics; o_ref is
+    dense in fp32, exactly."""
+    for i, pos in enumerate(case.positions.tolist()):
+        if pos < 0:
+            continue
+        slot = int(case.slots[i])
+        assert int(got.count[slot]) == int(want.count[slot]) == decode_budget(pos + 1, retention)
+        assert torch.equal(_kept(got, slot), _kept(want, slot)), f"row {i}"
+        for name in ("mass", "c_ref"):
+            _close(getattr(got, name)[slot], getattr(want, name)[slot], STATE_TOL[dtype])
+        assert torch.equal(got.o_ref[slot], case.dense[i].float()) and torch.equal(want.o_ref[slot], got.o_ref[slot])
+
+
+def _fill(state: SlotState) -> SlotState:
+    """The state with every entry a sentinel (to see what a call writes)."""
+    for name in SLOT_FIELDS:
+        getattr(state, name).fill_(-7)
+    return state
+
+
+def _clone(state: SlotState) -> SlotState:
+    return SlotState(*(getattr(state, name).clone() for name in SLOT_FIELDS))
 
 
 # --- the references against FlashLoop's pieces ----------------------------------------
 
 @pytest.mark.parametrize("retention", [0.1, 0.25, 0.07])
 def test_references_equal_flashloop_pieces(retention):
-    """fp64: selection, counts and every statistic of each row as decode_reference gives
-    them, and the correction as corrected_attention gives it."""
+    """fp64: kept sets (in ascending order), counts and every statistic of each row as
+    decode_reference gives them, and the correction as corrected_attention gives it."""
     case = _case(1, POSITIONS, dtype=torch.float64)
-    capacity = key_budget(MAX_CONTEXT, retention)
-    source = source_reference(*case.source_args(), retention, capacity, max_context=MAX_CONTEXT)
-    out = correction_reference(*case.correction_args(), source)
-    assert source.mass.dtype == source.o_ref.dtype == torch.float64
+    state = case.state(key_budget(MAX_CONTEXT, retention), torch.float64)
+    source_reference(*case.source_args(), retention, dense=case.dense, slots=case.slots, state=state,
+                     max_context=MAX_CONTEXT)
+    out = torch.zeros_like(case.q3)
+    correction_reference(*case.correction_args(), slots=case.slots, state=state, out=out)
     for i, pos in enumerate(POSITIONS):
         ref, corrected, _, _ = _flashloop_row(case, i, retention)
-        b = decode_budget(pos + 1, retention)
-        assert int(source.count[i]) == b
-        assert torch.equal(source.keys[i, :, :b].long(), ref.keys)
-        assert (source.keys[i, :, b:] == -1).all()
-        for got, want in ((source.mass[i], ref.mass), (source.o_ref[i], ref.o_ref), (source.c_ref[i], ref.c_ref),
-                          (out[i], corrected)):
+        slot = int(case.slots[i])
+        assert int(state.count[slot]) == decode_budget(pos + 1, retention)
+        assert torch.equal(_kept(state, slot).long(), ref.keys.sort(-1).values)
+        for got, want in ((state.mass[slot], ref.mass), (state.o_ref[slot], ref.o_ref),
+                          (state.c_ref[slot], ref.c_ref), (out[i], corrected)):
             torch.testing.assert_close(got, want, atol=REFERENCE_TOL, rtol=0)
-    assert torch.equal(source.out, source.o_ref)  # fp64: the output is o_ref itself
 
 
 # --- Triton against the references ----------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads, dim, block_n", [(4, 2, 32, 32), (4, 4, 16, 16), (6, 2, 24, 32)])
-def test_kernels_match_references(dtype, heads, kv_heads, dim, block_n):
+@pytest.mark.parametrize("heads, kv_heads, dim, page_size, blocks", [
+    (4, 2, 32, 16, Blocks()), (4, 4, 16, 8, SMALL), (6, 2, 24, 32, dataclasses.replace(SMALL, radix_bits=11)),
+])
+def test_kernels_match_references(dtype, heads, kv_heads, dim, page_size, blocks):
     retention = 0.1
-    case = _separated_case(heads * 10 + dim, retention, heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype)
+    case = _separated_case(heads * 10 + dim, retention, heads=heads, kv_heads=kv_heads, dim=dim,
+                           page_size=page_size, dtype=dtype)
     capacity = key_budget(MAX_CONTEXT, retention) + 3  # a bucket above every row's budget
-    want = source_reference(*case.source_args(), retention, capacity)
-    got = source_triton(*case.source_args(), retention, capacity, max_context=MAX_CONTEXT, block_n=block_n)
-    _source_close(got, want, dtype)
-    assert got.mass.dtype == got.o_ref.dtype == got.c_ref.dtype == torch.float32 and got.out.dtype == dtype
-    assert torch.equal(got.out, got.o_ref.to(dtype))  # rounded once, to nearest even
-    out = correction_triton(*case.correction_args(), got, block_n=block_n)
-    _close(out.float(), correction_reference(*case.correction_args(), want).float(), OUT_TOL[dtype])
+    want, got = case.state(capacity), case.state(capacity)
+    source_reference(*case.source_args(), retention, dense=case.dense, slots=case.slots, state=want)
+    source_triton(*case.source_args(), retention, dense=case.dense, slots=case.slots, state=got,
+                  max_context=MAX_CONTEXT, blocks=blocks)
+    _state_close(got, want, case, dtype, retention)
+    out_got, out_want = torch.zeros_like(case.q3), torch.zeros_like(case.q3)
+    correction_triton(*case.correction_args(), slots=case.slots, state=got, out=out_got, blocks=blocks)
+    correction_reference(*case.correction_args(), slots=case.slots, state=want, out=out_want)
+    _close(out_got.float(), out_want.float(), OUT_TOL[dtype])
 
 
 def _tie_case(dtype: torch.dtype) -> Case:
     """Dyadic q and K (every product and sum exact in fp32): all heads share one query of
-    ones, so every head ranks alike. Row 0 (pos 47, b = 5): key 33 on top, six equal keys
-    below it at 5, 12, 20, 31, 38, 44. Row 1 (pos 19, b = 2): equal top keys at 0, 10, 19."""
+    ones, so every head ranks alike. Row 0 (pos 47, b = 5): key 45 on top, six equal keys
+    below it at 5, 12, 20, 24, 31, 38 (a tie kept too many would take 45's place). Row 1
+    (pos 19, b = 2): equal top keys at 0, 10, 19."""
     case = _case(5, [47, 19], dtype=torch.float32)
     gen = torch.Generator().manual_seed(6)
     # Disjoint shuffled pages (3 for row 0, 2 for row 1), so neither row sees the other's keys.
@@ -196,26 +258,29 @@ def _tie_case(dtype: torch.dtype) -> Case:
     offsets = torch.tensor([0, 3], device=DEVICE)
     case = dataclasses.replace(case, tables=tables, off2=offsets, off3=offsets)
     k = (torch.randint(-1, 2, case.k.shape, generator=gen) * 0.25).to(case.k.device)
-    q2 = torch.ones_like(case.q2)
-    for i, (top, tied) in enumerate([(33, [5, 12, 20, 31, 38, 44]), (None, [0, 10, 19])]):
-        rows = _dense(torch.arange(k.shape[0], device=k.device), case, int(case.off2[i]), int(case.positions[i]))
+    for i, (top, tied) in enumerate([(45, [5, 12, 20, 24, 31, 38]), (None, [0, 10, 19])]):
+        rows = _rows_kv(torch.arange(k.shape[0], device=k.device), case, int(case.off2[i]), int(case.positions[i]))
         if top is not None:
             k[rows[top]] = 0.75
         k[rows[tied]] = 0.5
-    return dataclasses.replace(case, q2=q2.to(dtype), q3=case.q3.to(dtype), k=k.to(dtype), v=case.v.to(dtype))
+    return dataclasses.replace(case, q2=torch.ones_like(case.q2).to(dtype), q3=case.q3.to(dtype), k=k.to(dtype),
+                               v=case.v.to(dtype), dense=case.dense.to(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ties_go_to_the_lower_position(dtype):
+@pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks()),
+                                           (torch.bfloat16, dataclasses.replace(SMALL, select=16))])
+def test_ties_go_to_the_lower_position(dtype, blocks):
+    """With 16-key select blocks row 0's ties run over three blocks, the last kept one in
+    the middle block, and its top key comes after them all."""
     case = _tie_case(dtype)
-    want_keys = [[33, 5, 12, 20, 31], [0, 10]]
+    want_keys = [[5, 12, 20, 24, 45], [0, 10]]
     assert not _well_separated(case, 0.1)  # the random cases' gap guard rejects ties
-    for fn, kw in ((source_reference, {}), (source_triton, dict(max_context=48))):
-        source = fn(*case.source_args(), 0.1, 5, **kw)
-        assert source.count.tolist() == [5, 2]
+    for name, fn in (("reference", source_reference), ("triton", source_triton)):
+        state = case.state(5)
+        kw = dict(max_context=48, blocks=blocks) if fn is source_triton else {}
+        fn(*case.source_args(), 0.1, dense=case.dense, slots=case.slots, state=state, **kw)
         for i, keys in enumerate(want_keys):
-            assert source.keys[i, :, : len(keys)].tolist() == [keys] * case.q2.shape[1], fn.__name__
-            assert (source.keys[i, :, len(keys):] == -1).all()
+            assert _kept(state, int(case.slots[i])).tolist() == [keys] * case.q2.shape[1], name
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
@@ -223,18 +288,25 @@ def test_full_retention_is_dense_attention(use_triton):
     """key_retention 1.0 keeps every key: O_ref - C_ref vanishes and the correction is dense
     attention at depth 3."""
     dtype = torch.float32 if use_triton else torch.float64
-    case = _case(3, POSITIONS, dtype=dtype)
-    source = decode_source(*case.source_args(), 1.0, MAX_CONTEXT, max_context=MAX_CONTEXT, use_triton=use_triton)
-    out = decode_correction(*case.correction_args(), source, use_triton=use_triton)
+    case = _case(3, PADDED, dtype=dtype)
+    state = case.state(MAX_CONTEXT, dtype)
+    decode_source(*case.source_args(), 1.0, dense=case.dense, slots=case.slots, state=state,
+                  max_context=MAX_CONTEXT, use_triton=use_triton)
+    out = torch.zeros_like(case.q3)
+    decode_correction(*case.correction_args(), slots=case.slots, state=state, out=out, use_triton=use_triton)
     tol = STATE_TOL[dtype] if use_triton else REFERENCE_TOL
-    for i, pos in enumerate(POSITIONS):
-        assert int(source.count[i]) == pos + 1
-        _close(source.mass[i], torch.ones_like(source.mass[i]), tol)
+    for i, pos in enumerate(PADDED):
+        if pos < 0:
+            continue
+        slot = int(case.slots[i])
+        assert int(state.count[slot]) == pos + 1
+        assert (_kept(state, slot) == torch.arange(pos + 1, device=DEVICE, dtype=torch.int32)).all()
+        _close(state.mass[slot], torch.ones_like(state.mass[slot]), tol)
         _, _, _, dense3 = _flashloop_row(case, i, 1.0)
         _close(out[i], dense3.to(dtype), tol)
 
 
-# --- budgets, padding, capacity, dispatch ---------------------------------------------
+# --- budgets, padding, chunks, capacity, dispatch -------------------------------------
 
 @pytest.mark.parametrize("retention", [0.1, 0.07, 0.25, 1 / 3, 0.3, 1.0])
 def test_budgets_equal_decode_budget(retention):
@@ -259,66 +331,109 @@ def test_budgets_are_exact_at_integer_products():
     assert key_budgets(torch.tensor([-1, -5, 0, 29], device=DEVICE), 0.1).tolist() == [0, 0, 1, 3]
 
 
-def test_kernel_counts_at_small_and_exact_budgets():
-    """n = 1, 2, 10, 11, 30: the kernel's counts and the number of kept keys per head."""
+@pytest.mark.parametrize("retention", [0.1, 1 / 3])
+def test_kernel_counts_at_small_and_exact_budgets(retention):
+    """n = 1, 2, 10, 11, 30: the kernel's counts (the in-kernel budget, with a long decimal
+    too) and kept keys that are distinct, ascending and causal."""
     positions = [0, 1, 9, 10, 29]
     case = _case(4, positions)
-    source = source_triton(*case.source_args(), 0.1, 3, max_context=30)
-    want = [decode_budget(p + 1, 0.1) for p in positions]
-    assert source.count.tolist() == want == [1, 1, 1, 2, 3]
-    assert ((source.keys >= 0).sum(-1) == torch.tensor(want, device=DEVICE)[:, None]).all()
-    assert (source.keys[0, :, 0] == 0).all()  # n = 1: the current token itself, all its mass
-    _close(source.mass[0], torch.ones_like(source.mass[0]), 1e-6)
+    state = _fill(case.state(key_budget(30, retention)))
+    source_triton(*case.source_args(), retention, dense=case.dense, slots=case.slots, state=state, max_context=30)
+    for i, pos in enumerate(positions):
+        slot = int(case.slots[i])
+        assert int(state.count[slot]) == decode_budget(pos + 1, retention)
+        kept = _kept(state, slot)
+        assert (kept[:, 1:] > kept[:, :-1]).all() and (kept >= 0).all() and (kept <= pos).all()
+    slot = int(case.slots[0])  # n = 1: the current token itself, all its mass
+    assert (_kept(state, slot) == 0).all()
+    _close(state.mass[slot], torch.ones_like(state.mass[slot]), 1e-6)
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
-def test_padding_rows_are_not_written(use_triton):
-    positions = [37, -1, 120, -1]
-    case = _case(8, positions)
-    sentinel = torch.full_like(case.q2, 7.0)
-    source = decode_source(*case.source_args(), 0.1, 20, max_context=128, out=sentinel.clone(),
-                           use_triton=use_triton)
-    for i in (1, 3):
-        assert torch.equal(source.out[i], sentinel[i])
-        assert int(source.count[i]) == 0 and (source.keys[i] == -1).all()
-        assert (source.mass[i] == 0).all() and (source.o_ref[i] == 0).all() and (source.c_ref[i] == 0).all()
-    assert not torch.equal(source.out[0], sentinel[0])
-    # A row whose count is 0 is skipped by the correction as well.
-    source.count[2] = 0
-    out = decode_correction(*case.correction_args(), source, out=sentinel.clone(), use_triton=use_triton)
-    for i in (1, 2, 3):
-        assert torch.equal(out[i], sentinel[i])
-    want = correction_reference(*case.correction_args(), source)
-    _close(out[0], want[0], 1e-5)
+def test_padding_rows_write_nothing(use_triton):
+    """A padding row (slot PAD_SLOT) writes no slot and no output row; the other slots of the
+    state and the output rows of rows not corrected stay bit-identical."""
+    case = _case(8, [37, -1, 120, -1])
+    state = _fill(case.state(20))
+    before = _clone(state)
+    decode_source(*case.source_args(), 0.1, dense=case.dense, slots=case.slots, state=state, max_context=128,
+                  use_triton=use_triton)
+    written = {int(case.slots[0]), int(case.slots[2])}
+    for slot in range(case.num_slots):
+        for name in SLOT_FIELDS:
+            same = torch.equal(getattr(state, name)[slot], getattr(before, name)[slot])
+            assert same == (slot not in written), (slot, name)
+    sentinel = torch.full_like(case.q3, 7.0)
+    out = sentinel.clone()
+    decode_correction(*case.correction_args(), slots=case.slots, state=state, out=out, use_triton=use_triton)
+    assert torch.equal(out[1], sentinel[1]) and torch.equal(out[3], sentinel[3])
+    assert not torch.equal(out[0], sentinel[0]) and not torch.equal(out[2], sentinel[2])
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_a_slot_with_count_0_is_not_corrected(use_triton):
+    case = _case(11, [37, 120, 64])
+    state = case.state(20)
+    decode_source(*case.source_args(), 0.1, dense=case.dense, slots=case.slots, state=state, max_context=128,
+                  use_triton=use_triton)
+    state.count[case.slots[1]] = 0
+    sentinel = torch.full_like(case.q3, 7.0)
+    out = sentinel.clone()
+    decode_correction(*case.correction_args(), slots=case.slots, state=state, out=out, use_triton=use_triton)
+    assert torch.equal(out[1], sentinel[1])
+    want = torch.zeros_like(out)
+    correction_reference(*case.correction_args(), slots=case.slots, state=state, out=want)
+    _close(out[[0, 2]], want[[0, 2]], 1e-5)
+
+
+def test_chunks_of_a_small_scratch_give_the_same_state():
+    """A 3-row scratch (chunks of 3, 3 and 2 rows) and a wider 1-row one give, bit for bit,
+    the state of one scratch holding every row."""
+    case = _case(12, PADDED)
+    states = []
+    for scratch in (torch.empty(len(PADDED), 4, MAX_CONTEXT), torch.empty(3, 4, MAX_CONTEXT),
+                    torch.empty(1, 4, MAX_CONTEXT + 40)):
+        state = _fill(case.state(key_budget(MAX_CONTEXT, 0.1)))
+        source_triton(*case.source_args(), 0.1, dense=case.dense, slots=case.slots, state=state,
+                      max_context=MAX_CONTEXT, scratch=scratch.to(DEVICE))
+        states.append(state)
+    for state in states[1:]:
+        for name in SLOT_FIELDS:
+            assert torch.equal(getattr(state, name), getattr(states[0], name)), name
+    assert scratch_rows(4, MAX_CONTEXT, 3 * 4 * MAX_CONTEXT * 4 + 5) == 3 and scratch_rows(4, MAX_CONTEXT, 0) == 1
 
 
 def test_capacity_below_a_budget_is_an_error():
     case = _case(9, [99, 10])  # b = 10 and 2
+    kw = dict(dense=case.dense, slots=case.slots)
     with pytest.raises(ValueError, match="capacity 9 is below row 0's key budget 10"):
-        source_reference(*case.source_args(), 0.1, 9)
+        source_reference(*case.source_args(), 0.1, state=case.state(9), **kw)
     with pytest.raises(ValueError, match="past max_context"):
-        source_reference(*case.source_args(), 0.1, 10, max_context=99)
+        source_reference(*case.source_args(), 0.1, state=case.state(10), max_context=99, **kw)
     for use_triton in (False, True):  # checked on the host from max_context alone
         with pytest.raises(ValueError, match="capacity 11 is below the key budget 12"):
-            decode_source(*case.source_args(), 0.1, 11, max_context=112, use_triton=use_triton)
+            decode_source(*case.source_args(), 0.1, state=case.state(11), max_context=112, use_triton=use_triton,
+                          **kw)
     with pytest.raises(ValueError, match="capacity"):
-        source_triton(*case.source_args(), 0.1, 9, max_context=100)
-    # A capacity above the context (a large bucket) is fine: the extra entries are -1.
-    got = source_triton(*case.source_args(), 0.1, 128, max_context=100)
-    want = source_reference(*case.source_args(), 0.1, 128)
-    assert got.keys.shape == (2, 4, 128) and torch.equal(got.keys, want.keys)
+        source_triton(*case.source_args(), 0.1, state=case.state(9), max_context=100, **kw)
 
 
 def test_dispatch():
     """CUDA or the interpreter: Triton for the kernels' dtypes, the reference for fp64."""
     case = _case(10, [40, 7])
     assert _use_triton(case.q2, None) and not _use_triton(case.q2.double(), None)
-    got = decode_source(*case.source_args(), 0.25, 12, max_context=48)
-    assert torch.equal(got.o_ref, source_triton(*case.source_args(), 0.25, 12, max_context=48).o_ref)
-    assert not torch.equal(got.o_ref, source_reference(*case.source_args(), 0.25, 12).o_ref)  # fp32 sums differ
-    out = decode_correction(*case.correction_args(), got)
-    assert torch.equal(out, correction_triton(*case.correction_args(), got))
+    kw = dict(dense=case.dense, slots=case.slots, max_context=48)
+    got, triton_state, reference_state = case.state(12), case.state(12), case.state(12)
+    decode_source(*case.source_args(), 0.25, state=got, **kw)
+    source_triton(*case.source_args(), 0.25, state=triton_state, **kw)
+    source_reference(*case.source_args(), 0.25, state=reference_state, **kw)
+    assert torch.equal(got.c_ref, triton_state.c_ref)
+    assert not torch.equal(got.c_ref, reference_state.c_ref)  # fp32 sums differ
+    out, triton_out = torch.zeros_like(case.q3), torch.zeros_like(case.q3)
+    decode_correction(*case.correction_args(), slots=case.slots, state=got, out=out)
+    correction_triton(*case.correction_args(), slots=case.slots, state=got, out=triton_out)
+    assert torch.equal(out, triton_out)
     wide = _case(10, [40, 7], dtype=torch.float64)
-    ref = decode_source(*wide.source_args(), 0.25, 12, max_context=48)
-    assert torch.equal(ref.o_ref, source_reference(*wide.source_args(), 0.25, 12).o_ref)
-    assert ref.o_ref.dtype == torch.float64
+    state = wide.state(12, torch.float64)
+    decode_source(*wide.source_args(), 0.25, dense=wide.dense, slots=wide.slots, state=state, max_context=48)
+    assert state.c_ref.dtype == torch.float64 and int(state.count[wide.slots[0]]) == 11

@@ -22,8 +22,9 @@ from specloop.errors import ConfigError
 from specloop.flashloop.config import SparseDecodeAttention
 from specloop.kernels.sparse_decode import key_budget
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill
-from specloop.plan import RowGroup
-from specloop.runtime.forward_batch import _sparse_rows
+from specloop.plan import Plan, RowGroup
+from specloop.runtime.attention import _tiles_with
+from specloop.runtime.forward_batch import ForwardBatchBuilder, _sparse_rows
 from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, paged_reader
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
@@ -217,32 +218,30 @@ def test_stats_report_the_group_and_its_state(tiny_ckpt):
     assert stats.sparse_decode_fallbacks == 0
     assert stats.sparse_decode_reference_bytes == refs.nbytes_held == DecodeReferences.nbytes(
         refs.num_slots, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, engine.max_model_len,
-        RETENTION, torch.float32) > 0
+        RETENTION, torch.float32, engine.config.max_num_batched_tokens) > 0
     assert refs.num_slots == engine.scheduler.token_slots.decode_size == engine.config.max_num_seqs * 3
     assert _engine(tiny_ckpt, sparse_decode_attention=None).stats().sparse_decode_reference_bytes == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("mode", ["plain", "exit", "block-d1", "block-d2", "pipeline-d1"])
-def test_cuda_kernels_in_the_engine(any_ckpt, mode):
-    """On the GPU (fp32, eager, the Triton backend): the compiled source and correction
-    kernels give the reference's tokens and logprobs (within 1e-4: GPU against CPU fp32)."""
+def test_cuda_kernels_in_the_engine(any_ckpt, mode, graphs):
+    """On the GPU (fp32, the Triton backend), eager and under CUDA graphs: the compiled
+    source and correction kernels give the reference's tokens and logprobs (within 1e-4:
+    GPU against CPU fp32); with graphs, passes with sparse rows replay their own graphs."""
     options = MODES[mode]
-    engine = _engine(any_ckpt, device="cuda", enforce_eager=True, **options)
+    engine = _engine(any_ckpt, device="cuda", enforce_eager=not graphs, **options)
     assert engine.backend.name == "triton"
     got = _run(engine, PROMPTS)
+    runner = engine.executor.runner
+    assert (runner.graphs is not None and runner.graphs.sparse_replays > 0) == graphs
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs = got[f"r{i}"]
         want = reference_logprobs(any_ckpt, prompt, tokens, _features(), options.get("exit_threshold"))
         assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
         picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_are_refused_until_they_are_built(tiny_ckpt):
-    with pytest.raises(ConfigError, match="CUDA graphs"):
-        _engine(tiny_ckpt, device="cuda")
 
 
 @pytest.mark.parametrize("value, message", [
@@ -324,6 +323,34 @@ def _group(depth: int, start: int, end: int, decode_from: int, loops: int = 1) -
                     decode_from=decode_from)
 
 
+def test_correction_rows_leave_the_dense_tiles():
+    """With query tiles a pass's correction rows are cut out of its tiles into its correction
+    tiles (each group's generated tail), and the block's roles column marks sources 1,
+    corrections 2 and every other row and the padding 0: what a CUDA graph's masks read."""
+    builder = ForwardBatchBuilder(max_rows=16, max_seqs=2, num_loops=4, max_pages_per_seq=4, page_size=4,
+                                  device=torch.device("cpu"), tile_rows=(2, 8), buckets=(8, 16),
+                                  sparse_decode=True)
+    decode = RowGroup("a", 0, 0, 0, 0, 12, 13, None, [0], [0, 1, 2, 3], [[4, 5, 6, 7]] * 3, loops=4,
+                      decode_from=10)
+    chunk = RowGroup("b", 0, 1, 1, 1, 8, 12, None, [1, 2, 3, 4], [8, 9, 10], [[11, 12, 13]], loops=2,
+                     decode_from=10)  # prompt rows 8, 9 then generated 10, 11; depths 1 and 2
+    batch = builder.build(Plan(0, [decode, chunk], adaptive_exit=False))
+    tiles = lambda t: [tuple(x) for x in t.tolist() if x[1] > 0]  # noqa: E731
+    roles = lambda lp: lp.block[-(1 + 3) * lp.bucket: -3 * lp.bucket].tolist()  # noqa: E731
+    first, second = batch.passes[0], batch.passes[1]
+    # pass 0: row 0 depth 0 (dense), rows 1..4 depth 1: prompt 1, 2 dense, 3, 4 sources
+    assert first.sparse.source.tolist() == [3, 4] and first.sparse.correction.numel() == 0
+    assert sum(n for _, n, _ in tiles(first.tiles)) == 5 and tiles(first.correction_tiles) == []
+    assert roles(first) == [0, 0, 0, 1, 1, 0, 0, 0]
+    # pass 1: row 0 depth 1 (a source), rows 1..4 depth 2: 1, 2 dense, 3, 4 corrections
+    assert second.sparse.source.tolist() == [0] and second.sparse.correction.tolist() == [3, 4]
+    dense = tiles(second.tiles)
+    assert [(f, n) for f, n, _ in dense] == [(0, 1), (1, 2)] and len(tiles(second.correction_tiles)) == 1
+    assert [(f, n) for f, n, _ in tiles(second.correction_tiles)] == [(3, 2)]
+    assert tiles(second.correction_tiles)[0][2] == dense[1][2]  # the group's page table
+    assert roles(second) == [1, 0, 0, 2, 2, 0, 0, 0]
+
+
 def test_sparse_rows_of_each_pass():
     """Sources: generated positions at depth 1; corrections: deeper; prompt rows neither."""
     ordered = [_group(0, 12, 13, 10, loops=4),  # a decode token through every loop: rows 0
@@ -334,6 +361,70 @@ def test_sparse_rows_of_each_pass():
     assert _sparse_rows(ordered, firsts, 1) == ([0], [])
     assert _sparse_rows(ordered, firsts, 2) == ([], [0])
     assert _sparse_rows(ordered, firsts, 3) == ([], [0])
+
+
+def _roles_setup():
+    torch.manual_seed(0)
+    refs = DecodeReferences(4, 2, 2, 8, 16, 0.5, torch.float32, torch.device("cpu"))
+    k, v = torch.randn(64, 1, 8), torch.randn(64, 1, 8)
+    offsets = torch.tensor([0, 4, 8, 12, 0])
+    read = paged_reader(k, v, torch.arange(16), offsets, 4)
+    return refs, read
+
+
+def test_a_graphs_roles_give_what_row_lists_give():
+    """A CUDA graph's form of the rows (every row listed, the roles saying which play which
+    part, a padding row naming a slot past the decode ones) writes the same state and
+    outputs as the eager row lists, and rows playing no part leave their slots alone."""
+    positions = torch.tensor([9, 12, 10, 11, 0])
+    slots = torch.tensor([0, 1, 2, 3, 99])
+    q, dense = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    eager, read = _roles_setup()
+    graph, _ = _roles_setup()
+    for refs in (eager, graph):  # rows 2 and 3 ran loop 2 earlier
+        for layer in range(2):
+            refs.attend(layer, SparseRows(torch.tensor([2, 3]), torch.zeros(0, dtype=torch.long)), q, dense.clone(),
+                        positions, slots, read, False, 16)
+    every = torch.arange(5)
+    roles = torch.tensor([1, 1, 2, 2, 0])
+    for layer in range(2):
+        want = eager.attend(layer, SparseRows(torch.tensor([0, 1]), torch.tensor([2, 3])), q, dense.clone(),
+                            positions, slots, read, False, 16)
+        got = graph.attend(layer, SparseRows(every, every, roles == 1, roles == 2), q, dense.clone(), positions,
+                           slots, read, False, 16)
+        assert torch.equal(got, want) and not torch.equal(got[2:4], dense[2:4])
+    for name in ("keys", "count", "mass", "o_ref", "c_ref"):
+        assert torch.equal(getattr(graph, name), getattr(eager, name)), name
+    assert torch.equal(graph.present[:4], eager.present[:4]) and bool(graph.present[:4].all())
+    assert int(graph.fallbacks) == int(eager.fallbacks) == 0
+
+
+def test_the_fallback_tiles_hold_the_rows_that_need_it():
+    tiles = torch.tensor([[0, 2, 5], [2, 1, 6], [3, 2, 7], [0, 0, 0]])
+    need = torch.tensor([False, True, False, False, False])
+    assert _tiles_with(tiles, need, 2).tolist() == [[0, 2, 5], [2, 0, 6], [3, 0, 7], [0, 0, 0]]
+    need = torch.tensor([False, False, False, False, True])
+    assert _tiles_with(tiles, need, 2)[:, 1].tolist() == [0, 0, 2, 0]
+
+
+def test_a_missing_reference_runs_the_fallback():
+    """A backend whose dense launch left the correction rows out (Triton) is asked for the
+    dense output of exactly the rows whose state is missing, and those rows keep it."""
+    refs, read = _roles_setup()
+    positions, slots = torch.tensor([9, 12, 10, 11, 0]), torch.tensor([0, 1, 2, 3, 99])
+    q = torch.randn(5, 2, 8)
+    out = torch.zeros(5, 2, 8)
+    refs.attend(0, SparseRows(torch.tensor([2]), torch.zeros(0, dtype=torch.long)), q, out.clone(), positions,
+                slots, read, False, 16)  # slot 2's state, not slot 3's
+    asked = []
+
+    def fallback(need: torch.Tensor) -> None:
+        asked.append(need.clone())
+        out[need] = 7.0
+    got = refs.attend(0, SparseRows(torch.zeros(0, dtype=torch.long), torch.tensor([2, 3])), q, out, positions,
+                      slots, read, False, 16, fallback=fallback)
+    assert asked[0].tolist() == [False, False, False, True, False]
+    assert bool((got[3] == 7.0).all()) and not bool((got[2] == 7.0).any()) and int(refs.fallbacks) == 1
 
 
 def test_a_missing_reference_is_never_read():

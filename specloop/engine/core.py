@@ -136,12 +136,13 @@ class EngineCore:
         rows = config.max_num_batched_tokens
         num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
         speculation = _speculation(config, mcfg.num_loops)
-        decode_slots = self._check_sparse_decode(device, speculation)
+        decode_slots = self._decode_slots(speculation)
         reference_bytes = 0
         if decode_slots:
             reference_bytes = DecodeReferences.nbytes(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
                                                       mcfg.head_dim, self.max_model_len,
-                                                      config.sparse_decode_attention.key_retention, self.model.dtype)
+                                                      config.sparse_decode_attention.key_retention, self.model.dtype,
+                                                      rows)
         num_pages = self._num_pages(page_bytes, device, reference_bytes)
         heads: dict[type, Any] = {}
         if speculation is not None:
@@ -174,7 +175,8 @@ class EngineCore:
         if decode_slots:
             references = DecodeReferences(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
                                           mcfg.head_dim, self.max_model_len,
-                                          config.sparse_decode_attention.key_retention, self.model.dtype, device)
+                                          config.sparse_decode_attention.key_retention, self.model.dtype, device,
+                                          rows)
         self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
                                     mcfg.num_key_value_heads, residuals, references)
         graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
@@ -240,19 +242,13 @@ class EngineCore:
         ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
         return store, ints
 
-    def _check_sparse_decode(self, device: torch.device, speculation: Any) -> int:
-        """Slots of the decode sub-pool sparse decode attention needs (0: off); a combination
-        it does not support yet is refused here, never run dense in silence. A request holds
+    def _decode_slots(self, speculation: Any) -> int:
+        """Slots of the decode sub-pool sparse decode attention needs (0: off). A request holds
         a generated token's slot for each of its rows in flight (a round's, or a pipeline's
         live tokens) in each ticket in flight and the one being planned."""
         cfg = self.config
         if not cfg.sparse_decode_attention.enabled:
             return 0
-        unsupported = []
-        if device.type == "cuda" and not cfg.enforce_eager and cfg.attention_backend != "torch":
-            unsupported.append("CUDA graphs (set enforce_eager)")
-        if unsupported:
-            raise ConfigError("sparse_decode_attention does not support yet: " + "; ".join(unsupported))
         per_request = speculation.rows_per_request if speculation is not None else 1
         return cfg.max_num_seqs * per_request * (cfg.max_inflight_tickets + 1)
 

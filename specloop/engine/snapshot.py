@@ -65,7 +65,6 @@ VERSION = 6  # 2: token-sparse prefill state (slots' previous hidden and selecti
 # 5: `kv` holds only the pages not given back, per plane (a list), and how many were
 # 6: sparse decode attention's reference state of the live generated tokens (`references`)
 SLOT_FIELDS = SlotStorage.CARRIED
-REFERENCE_FIELDS = ("keys", "count", "mass", "o_ref", "c_ref", "present")  # `DecodeReferences` per slot
 
 
 class SnapshotError(SpecloopError):
@@ -269,10 +268,8 @@ def _capture_references(core: "EngineCore", req: Request) -> dict[str, Any] | No
         return None
     positions = _generated(req, sorted(req.token_slots))
     index = torch.tensor([req.token_slots[p] for p in positions], dtype=torch.long, device=refs.keys.device)
-    out = {name: getattr(refs, name)[index].cpu() for name in REFERENCE_FIELDS}
-    width = int(out["count"].max()) if positions else 0
-    out["keys"] = out["keys"][..., :width].contiguous()
-    return out
+    width = int(refs.count[index].max()) if positions else 0
+    return refs.capture(index, width)
 
 
 def _capture_cell(core: "EngineCore", req: Request) -> dict[str, Any]:
@@ -459,16 +456,8 @@ def _restore_references(core: "EngineCore", slots: list[int], refs: dict[str, to
     """Write the generated tokens' reference state into their new decode slots (keys padded
     with -1 to this engine's capacity)."""
     store = core.executor.runner.slots.references
-    if not slots:
-        return
-    index = torch.tensor(slots, dtype=torch.long, device=store.keys.device)
-    for name in REFERENCE_FIELDS:
-        value = refs[name].to(store.keys.device)
-        if name == "keys":
-            store.keys[index] = -1
-            store.keys[index, ..., : value.shape[-1]] = value
-        else:
-            getattr(store, name)[index] = value
+    if slots:
+        store.restore(torch.tensor(slots, dtype=torch.long, device=store.keys.device), refs)
 
 
 def _restore_cell(core: "EngineCore", req: Request, cell: dict[str, Any]) -> None:

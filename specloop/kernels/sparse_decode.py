@@ -1,9 +1,10 @@
 """Sparse decode attention (FlashLoop RFC 3.2) in Triton, with its torch references.
 
-    source = decode_source(q2, k_cache, v_cache, tables, positions, offsets2, page_size,
-                           key_retention, capacity, max_context=L)      # loop 2
-    out = decode_correction(q3, k_cache, v_cache, tables, positions, offsets3, page_size,
-                            source)                                    # loops 3, 4
+    state = SlotState.zeros(num_slots, Hq, D, capacity, device=...)        # one layer's
+    decode_source(q2, k_cache, v_cache, tables, positions, offsets2, page_size, key_retention,
+                  dense=out2, slots=slots, state=state, max_context=L)    # loop 2
+    decode_correction(q3, k_cache, v_cache, tables, positions, offsets3, page_size,
+                      slots=slots, state=state, out=out3)                  # loops 3, 4
 
 A generated (decode) row at loop 2 attends to all its causal keys and keeps, per query
 head, the top-b keys of its probabilities; at loops >= 3 it reads only those keys of that
@@ -12,91 +13,107 @@ depth and corrects the result with what loop 2 saw of the rest:
   loop 2:  P = softmax(q . K2 / sqrt(D)) over keys 0..pos; n = pos + 1;
            b = min(n, max(1, ceil(key_retention * n)))  (`key_budget`, exact: below);
            S = the top-b keys by P, ties to the lower position; m = sum_S P;
-           O_ref = sum_all P V2 (the loop-2 output); C_ref = sum_S P V2 (not renormalised).
+           C_ref = sum_S P V2 (not renormalised); O_ref = the row's loop-2 output.
   loop r:  p = softmax(q_r . K_r[S] / sqrt(D)) over S only;
            O = O_ref - C_ref + m * sum_S p V_r      (every key kept: dense attention).
 
 What the functions read and write (one layer; the caller slices layers). DT is the model
-dtype (`DTYPES`: fp32, bf16, fp16; the references also take fp64), N decode rows, Hq query
-heads over Hkv KV heads (GQA, Hq a multiple of Hkv), D the head dim.
+dtype (`DTYPES`: fp32, bf16, fp16; the references also take fp64), N rows, Hq query heads
+over Hkv KV heads (GQA, Hq a multiple of Hkv), D the head dim.
 
-- q [N, Hq, D] in DT, already rotated; k_cache, v_cache [S, Hkv, D] in DT, one layer of the
-  paged pool; tables [T] int, flat page tables; positions [N] int, each row's absolute
-  position (negative: a padding row); table_offsets [N] int: key j of row i sits at slot
-  tables[table_offsets[i] + j // page_size] * page_size + j % page_size (the page table of
-  the depth being read, as in `paged_attention`: loop 2 passes depth 2's tables, the
-  correction depth r's).
-- `decode_source` / `source_reference` / `source_triton` (loop 2) return a `DecodeSource`:
-  keys int32 [N, Hq, capacity] (S in rank order, highest P first; -1 past the row's count),
-  count int32 [N] (b; 0 for padding rows), mass [N, Hq], o_ref and c_ref [N, Hq, D], all
-  fp32 (fp64 for fp64 inputs, in the reference), and out [N, Hq, D] in DT: the loop-2
-  attention output, o_ref rounded once to DT. `capacity` is the caller's static bound on b
-  (a bucket): it must be >= every row's b. Padding rows get keys -1, count 0 and zero
-  statistics, and their `out` rows are not written (zeros when no `out` is passed).
-- `decode_correction` / `correction_reference` / `correction_triton` (loops >= 3) read a
-  source and return out [N, Hq, D] in DT; rows with count 0 or a negative position are
-  not written.
+- q [N, Hq, D] in DT, already rotated; k_cache, v_cache [Spool, Hkv, D] in DT, one layer of
+  the paged pool; tables [T] int, flat page tables; positions [N] int, each row's absolute
+  position (negative: a padding row, which reads and writes nothing); table_offsets [N]
+  int: key j of row i sits at pool slot tables[table_offsets[i] + j // page_size] *
+  page_size + j % page_size (the page table of the depth being read: depth 2's for the
+  source, depth r's for the correction); slots [N] int64: each row's token slot in the
+  state (a padding row's slot is never read, so it may lie outside the state).
+- The state (`SlotState`) lives in token slots, so it outlives the call: keys int32
+  [S, Hq, C] (each head's kept positions, ascending; entries at or past the count are never
+  read), count int32 [S] (b), mass [S, Hq], o_ref and c_ref [S, Hq, D], fp32 (fp64 in the
+  references for fp64 inputs). C is the capacity, a static bound on b: `check_capacity`
+  checks on the host that it covers the budget of any position below max_context.
+- `decode_source` (loop 2) writes, for each non-padding row, its slot's keys[:, :b], count,
+  mass, c_ref and o_ref = dense[i] in fp32. `dense` [N, Hq, D] in DT is the rows' loop-2
+  attention, which the caller's dense kernel has already computed: the source adds no
+  output of its own. max_context is a static bound > every position: it sizes the scratch
+  (positions at or past it are a caller error; the kernels clamp them to stay in bounds).
+- `decode_correction` (loops >= 3) writes out[i] = O_ref - C_ref + m * sum_S p V_r,
+  rounded once to DT, for rows with a position >= 0 whose slot's count is > 0; every other
+  row of `out` (the caller's dense output, corrected in place) is left untouched.
 
 Budgets. key_retention is read as the decimal it prints as, num / den =
 Fraction(repr(float(key_retention))), and b = min(n, max(1, (n * num + den - 1) // den)) in
 integers: 0.1 * 30 is 3 keys, where the float product 3.0000000000000004 would round up to
-4. The Triton path computes b on the device from the positions (`key_budgets`, int64; the
-launchers check max_context * num + den - 1 < 2^63 on the host so it cannot overflow: a
-retention of a few decimal digits allows any context, 1/3 printed as 0.3333333333333333
-about 2,700 keys, and a longer context raises ValueError).
+4. The select kernel computes b from (num, den) in int64; `check_capacity` checks
+max_context * num + den - 1 < 2^63 on the host so it cannot overflow: a retention of a few
+decimal digits allows any context, 1/3 printed as 0.3333333333333333 about 2,700 keys, and a
+longer context raises ValueError.
 
-Selection, and why it is exact. The scores kernel writes every row's scaled scores
-s = (q . k) * D^-0.5 in fp32 into a scratch [N, Hq, L] (L = max_context, a static bound >=
-every position + 1; keys past a row's position stay -inf) and the row's lse; then, on the
-device, P = exp(s - lse) (exactly 0 for the -inf keys) and each key gets the int64 rank key
-(bits of P as int32) << 32 | (2^32 - 1 - position). P is a nonnegative fp32, so the order
-of its bit patterns is the order of its values; the low word orders equal P by position,
-lower first; every rank key is distinct, so `torch.topk(capacity)` over them has one
-answer (no tie-breaking left to the sort) and it is the stable descending sort of P that
-`flashloop_reference.top_positions` takes. Keys past a row's position (P = 0, positions
-> pos) rank after every causal key, even one whose P underflowed to 0, and b <= n, so they
-are never selected. Selection is therefore exact with respect to the P the kernel
-computed; it equals the reference's selection whenever the reference's and the kernel's P
-agree in order, i.e. unless two probabilities at the boundary (or, for the rank order,
-anywhere in S) differ by about fp32 rounding (the tests state the gap they require).
-No host sync anywhere in the launchers: budgets, selection and masking are device ops.
+Kernels (Triton), per chunk of rows (`scratch` [R, Hq, >= max_context] fp32 holds R rows'
+scores; the host loops over the N rows R at a time, both kernels per chunk):
 
-Kernels. (1) `_scores_kernel`, a program per (row, KV head): the GQA heads of the KV head
-form the M dimension (padded to 16 for `tl.dot`) and share every K/V block loaded through
-the page table; one online-softmax pass over key blocks writes the scores, lse, o_ref (fp32)
-and out (DT). (2) torch on the device: P, rank keys, topk, count masking. (3)
-`_selected_kernel`, a program per (row, KV head), loops over the selected keys of each head
-in blocks of `block_n` (keys differ per head, so K/V are gathered per head: [G, block_n, D]
-tiles) and sums m and C_ref from the same P the ranking used. (4) `_correction_kernel`, a
-program per (row, KV head), gathers K_r / V_r of each head's selected keys through the
-row's depth-r page table, runs an online softmax over them and writes
-O_ref - C_ref + m * sum p V_r in DT. The loops of (3) and (4) stop at the row's count, so
-they cost b keys, not capacity.
+1. `_scores_kernel`, grid (R, Hkv, splits): each program takes an equal share of its row's
+   keys 0..pos (the share is computed on the device from the position), loads K blocks
+   through the page table once for the KV head's GQA query heads (the M dimension, padded
+   to 16 for `tl.dot`) and stores s = q . k * D^-0.5 in fp32 into the scratch. No V, no
+   softmax. `score_splits` picks the splits from static values (rows, Hkv, max_context, SM
+   count; two waves of the GPU, shares of at least 256 keys): batch 1 at 32K keys with 16 KV
+   heads on the H200's 132 SMs gets 17 splits, batch 32 gets 1.
+2. `_select_kernel`, grid (R, Hq), one program per (row, query head) over its scratch row:
+   pass 1: lse (a running max and sum per lane); P = exp(s - lse), recomputed by the same
+   expression in every later pass. P is a nonnegative fp32 below 2, so its bits, as int32,
+   order like its values and fit in 30 bits. A radix select over those bits, most
+   significant digit first (8-bit digits: 4 passes of `tl.histogram` with a mask, each
+   counting only the keys whose higher digits match the prefix found so far), finds the
+   b-th largest pattern T and `need`, how many keys equal to T belong to the top b. A last
+   pass in key order keeps P > T and the first `need` keys with P == T (one `tl.cumsum` of
+   both counts, with running offsets across blocks) and writes their positions compacted,
+   ascending, to the slot's keys; then a loop over those b positions sums m and C_ref with V
+   gathered through the page table (only the kept keys are loaded). It writes count, mass,
+   c_ref and o_ref (dense copied to fp32).
+3. `_correction_kernel`, grid (N, Hkv): for each head of the KV head, gathers K_r and V_r
+   of the slot's kept keys through the row's depth-r page table, runs an online softmax
+   over them and writes O_ref - C_ref + m * sum p V_r into out[i] in DT.
 
-Cost. o_ref comes from the same single pass over K/V that writes the scores (an online
-softmax, as `paged_attention` does it, without split-KV), so loop 2 reads K/V once. The
-scratch (scores, P and the int64 rank keys: 16 bytes per row, query head and key of L, plus
-lse) is allocated per call and dropped after it: it is not kept between loops and not
-sized for CUDA graphs yet. Selection touches all of it, O(N Hq L) (a few passes of 4 to 8
-bytes per query head and key, against 4 D bytes of bf16 K and V per KV head and key for
-the attention itself); it is not fused into the kernel.
+Why the selection is exact. The kept set is defined by values only: every key with P > T
+and the lowest-positioned keys with P == T, T being the b-th largest P. That is the set of
+the first b keys of a stable descending sort of P (`flashloop_reference.top_positions`), so
+no tie-breaking is left to the hardware or to block boundaries. Every pass computes P by
+one expression, so the histograms and the final pass see the same bits. Selection is thus
+exact with respect to the P the kernel computed; it equals the reference's whenever the
+kernel's and the reference's P agree in order at the boundary, i.e. unless the b-th and
+(b+1)-th probabilities differ by about fp32 rounding (the tests state the gap they
+require). Keys with equal scores get equal P on both sides, so exact ties break alike.
 
-Precision. Scores, softmax statistics, o_ref, m, C_ref and the correction's softmax and sums
-are fp32. QK runs on tensor cores in DT with fp32 accumulation (bf16 / fp16 products are
-exact in fp32; fp32 inputs use IEEE fp32 products); PV of the scores kernel uses IEEE fp32
-products on fp32 probabilities (o_ref is state that C_ref is subtracted from, so P is not
-rounded to DT as `paged_attention` does). The gathers of (3) and (4) multiply and reduce
-in fp32 on CUDA cores (their M dimension is one head). Outputs are rounded once to DT.
-Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the interpreter's bf16
-dot is wrong) and bf16 outputs are rounded by hand (`rounding.round_to`), see
-../shared/docs/gpu.md.
+CUDA graphs. No host sync, no `.item()`, no mask indexing; grids come from tensor shapes
+and static arguments (the chunk loop is a Python loop over static sizes); budgets,
+selection and masking are device work. A padding row's programs exit after reading its
+position, in every kernel. The scratch is passed in (`scratch_rows` sizes one for a byte
+budget; without one the source allocates min(N, rows under SCRATCH_BYTES) rows).
 
-Not done yet: packed INT4 tiles (the runtime gathers reconstructed keys into a paged
-scratch for these kernels, `runtime.sparse_decode.gathered_reader`); CUDA-graph buffer
-sizing (the scratch and the source are allocated per call; `out` can be passed); a fused
-device selection (the topk runs in torch); split-KV in the scores and correction kernels
-(on the H200 the source costs 4-20x a dense loop and the correction loses at batch 1:
-bench/results/sparse_decode_kernels_h200.json); block sizes and warps are untuned.
+Cost per row (one layer). Scores: K once (2 D bytes per KV head and key in bf16) and 4 bytes
+per query head and key written to the scratch. Select: the scratch row read 6 times (lse, 4
+digits, the compaction: 24 bytes per query head and key, from L2 while the chunk's scratch
+fits there) and b rows of V. Correction: b rows of K and V per query head. A dense loop
+reads K and V (4 D bytes per KV head and key). Triton 3.9 lowers `tl.histogram` to one
+shared-memory atomic per key, which contend on the top digits, where many P share an
+exponent.
+
+Precision. Scores, softmax statistics, m, C_ref and the correction's softmax and sums are
+fp32. QK runs on tensor cores in DT with fp32 accumulation (bf16 / fp16 products are exact
+in fp32; fp32 inputs use IEEE fp32 products); the V gathers of (2) and both gathers of (3)
+multiply and reduce in fp32 on CUDA cores (their M dimension is one head). Outputs are
+rounded once to DT. Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the
+interpreter's bf16 dot is wrong) and bf16 outputs are rounded by hand
+(`rounding.round_to`), see ../shared/docs/gpu.md.
+
+Not done: packed INT4 tiles (the runtime gathers reconstructed keys into a paged scratch
+for these kernels, `runtime.sparse_decode.gathered_reader`); the select kernel has Hq
+programs per row, so at batch 1 it runs on 16 of 132 SMs, its passes bound by latency
+(lse could come from the scores kernel, one pass fewer, and the V gather is not
+software-pipelined); the correction has no split-KV (batch 1 is short of programs); block
+sizes and warps are unmeasured on the H200 (`Blocks`; bench/sparse_decode_kernels.py).
 """
 
 from __future__ import annotations
@@ -110,24 +127,67 @@ import triton
 import triton.language as tl
 
 from specloop.kernels import DTYPES
+from specloop.kernels.paged_attention import choose_splits
 from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LOW_WORD = (1 << 32) - 1  # the rank key's low 32 bits: 2^32 - 1 - position
+SCRATCH_BYTES = 256 << 20  # the scratch a source allocates when it is given none
+_PATTERN_BITS = tl.constexpr(30)  # P < 2, so the bits of a nonnegative fp32 P fit in 30 bits
 
 
 @dataclasses.dataclass
-class DecodeSource:
-    """Loop-2 state of a batch of decode rows (module docstring): keys int32 [N, Hq, C]
-    (rank order, -1 past count), count int32 [N], mass [N, Hq], o_ref / c_ref [N, Hq, D]
-    (fp32; fp64 from the reference on fp64 inputs), out [N, Hq, D] in q's dtype."""
+class SlotState:
+    """One layer's reference state, indexed by token slot (S slots): keys int32 [S, Hq, C]
+    (each head's kept key positions in ascending order; entries at or past the slot's count
+    are unspecified and never read), count int32 [S], mass [S, Hq], o_ref and c_ref
+    [S, Hq, D] (fp32; the references also accept fp64). All contiguous."""
 
     keys: torch.Tensor
     count: torch.Tensor
     mass: torch.Tensor
     o_ref: torch.Tensor
     c_ref: torch.Tensor
-    out: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_slots: int, num_heads: int, head_dim: int, capacity: int, *,
+              dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> SlotState:
+        """A zeroed state for `num_slots` slots of `capacity` kept keys per head."""
+        def new(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(new(num_slots, num_heads, capacity, dtype=torch.int32), new(num_slots, dtype=torch.int32),
+                   new(num_slots, num_heads), new(num_slots, num_heads, head_dim),
+                   new(num_slots, num_heads, head_dim))
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Static tuning of the Triton path (powers of two). `splits`: programs per (row, KV
+    head) of the scores kernel, None for `score_splits`."""
+
+    scores: int = 64  # keys per block of the scores kernel (>= 16: tl.dot)
+    select: int = 2048  # keys per block of the select kernel's passes (<= 32768)
+    gather: int = 64  # kept keys per block of the select kernel's V gather
+    correction: int = 32  # kept keys per block of the correction kernel
+    radix_bits: int = 8  # digit of the radix select: 8 bits is 4 counting passes, 10 or 11 bits 3
+    select_warps: int = 8
+    splits: int | None = None
+
+
+def scratch_rows(num_heads: int, max_context: int, budget_bytes: int) -> int:
+    """Rows of a [rows, Hq, max_context] fp32 scores scratch that fit in budget_bytes (at
+    least one): a source runs its rows in chunks of that many."""
+    return max(1, budget_bytes // (num_heads * max_context * 4))
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def score_splits(rows: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Programs per (row, KV head) of the scores kernel, from static values only: enough for
+    two waves of the GPU, no share under 256 keys (`paged_attention.choose_splits`); batch 1
+    at 32K keys and 16 KV heads on 132 SMs gets 17."""
+    return choose_splits(rows, num_kv_heads, max_context, num_sms)
 
 
 # --- budgets --------------------------------------------------------------------------
@@ -182,28 +242,24 @@ def _row_slots(tables: torch.Tensor, offset: int, keys: torch.Tensor, page_size:
 
 
 def _per_head_kv(cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """cache [S, Hkv, D] at per-head slots [Hq, b] -> [Hq, b, D] (query head h reads KV head
-    h // group)."""
+    """cache [Spool, Hkv, D] at per-head slots [Hq, b] -> [Hq, b, D] (query head h reads KV
+    head h // group)."""
     kv_head = torch.arange(num_heads, device=slots.device) // (num_heads // cache.shape[1])
     return cache[slots, kv_head[:, None]]
 
 
 def source_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, key_retention: float,
-                     capacity: int, *, max_context: int | None = None, out: torch.Tensor | None = None,
-                     ) -> DecodeSource:
-    """Loop-2 source row by row in plain PyTorch (fp32 math, fp64 for fp64 inputs); raises
-    ValueError when a row's budget exceeds capacity or its position reaches max_context."""
-    n_rows, num_heads, head_dim = q.shape
+                     *, dense: torch.Tensor, slots: torch.Tensor, state: SlotState,
+                     max_context: int | None = None) -> None:
+    """Loop-2 state row by row in plain PyTorch (fp32 math, fp64 for fp64 inputs): the top-b
+    keys of each head by a stable descending sort of P, stored in ascending position order.
+    Raises ValueError when a row's budget exceeds the capacity or its position reaches
+    max_context."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    dev = q.device
-    keys = torch.full((n_rows, num_heads, capacity), -1, dtype=torch.int32, device=dev)
-    count = torch.zeros(n_rows, dtype=torch.int32, device=dev)
-    mass = torch.zeros(n_rows, num_heads, dtype=acc, device=dev)
-    o_ref = torch.zeros(n_rows, num_heads, head_dim, dtype=acc, device=dev)
-    c_ref = torch.zeros_like(o_ref)
-    out = torch.zeros_like(q) if out is None else out
-    for i in range(n_rows):
+    capacity = state.keys.shape[2]
+    for i in range(q.shape[0]):
         pos = int(positions[i])
         if pos < 0:
             continue
@@ -212,42 +268,44 @@ def source_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         b = key_budget(pos + 1, key_retention)
         if b > capacity:
             raise ValueError(f"capacity {capacity} is below row {i}'s key budget {b} (position {pos})")
-        j = torch.arange(pos + 1, device=dev).expand(num_heads, -1)  # [Hq, n]
-        slots = _row_slots(tables, int(table_offsets[i]), j, page_size)
-        k = _per_head_kv(k_cache, slots, num_heads).to(acc)  # [Hq, n, D]
-        v = _per_head_kv(v_cache, slots, num_heads).to(acc)
+        j = torch.arange(pos + 1, device=q.device).expand(num_heads, -1)  # [Hq, n]
+        kv = _row_slots(tables, int(table_offsets[i]), j, page_size)
+        k = _per_head_kv(k_cache, kv, num_heads).to(acc)  # [Hq, n, D]
+        v = _per_head_kv(v_cache, kv, num_heads).to(acc)
         probs = (torch.einsum("hd,hnd->hn", q[i].to(acc), k) * head_dim ** -0.5).softmax(-1)
-        chosen = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :b]  # ties: lower first
-        p_sel = probs.gather(-1, chosen)
-        v_sel = v.gather(1, chosen[..., None].expand(-1, -1, head_dim))
-        keys[i, :, :b] = chosen.to(torch.int32)
-        count[i] = b
-        mass[i] = p_sel.sum(-1)
-        o_ref[i] = torch.einsum("hn,hnd->hd", probs, v)
-        c_ref[i] = torch.einsum("hb,hbd->hd", p_sel, v_sel)
-        out[i] = o_ref[i].to(q.dtype)
-    return DecodeSource(keys, count, mass, o_ref, c_ref, out)
+        top = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :b]  # ties: lower first
+        kept = top.sort(-1).values  # [Hq, b], ascending positions
+        p = probs.gather(-1, kept)
+        slot = int(slots[i])
+        state.keys[slot, :, :b] = kept.to(torch.int32)
+        state.count[slot] = b
+        state.mass[slot] = p.sum(-1)
+        state.c_ref[slot] = torch.einsum("hb,hbd->hd", p, v.gather(1, kept[..., None].expand(-1, -1, head_dim)))
+        state.o_ref[slot] = dense[i]
 
 
 def correction_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                         positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, source: DecodeSource,
-                         *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Loop >= 3 output row by row: O_ref - C_ref + m * softmax(q . K[S] / sqrt(D)) V[S], in
-    the source's dtype, rounded once to q's; rows with count 0 or position < 0 unwritten."""
-    n_rows, num_heads, head_dim = q.shape
-    acc = source.o_ref.dtype
-    out = torch.zeros_like(q) if out is None else out
-    for i in range(n_rows):
-        b = int(source.count[i])
-        if int(positions[i]) < 0 or b == 0:
+                         positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
+                         slots: torch.Tensor, state: SlotState, out: torch.Tensor) -> None:
+    """Loop >= 3 output row by row: out[i] = O_ref - C_ref + m * softmax(q . K[S] / sqrt(D)) V[S]
+    in the state's dtype (at least fp32), rounded once to out's; rows with a negative
+    position or a slot of count 0 are left untouched."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    acc = torch.promote_types(q.dtype, state.o_ref.dtype)
+    for i in range(q.shape[0]):
+        if int(positions[i]) < 0:
             continue
-        slots = _row_slots(tables, int(table_offsets[i]), source.keys[i, :, :b], page_size)  # [Hq, b]
-        k = _per_head_kv(k_cache, slots, num_heads).to(acc)
-        v = _per_head_kv(v_cache, slots, num_heads).to(acc)
+        slot = int(slots[i])
+        b = int(state.count[slot])
+        if b == 0:
+            continue
+        kv = _row_slots(tables, int(table_offsets[i]), state.keys[slot, :, :b], page_size)  # [Hq, b]
+        k = _per_head_kv(k_cache, kv, num_heads).to(acc)
+        v = _per_head_kv(v_cache, kv, num_heads).to(acc)
         local = (torch.einsum("hd,hbd->hb", q[i].to(acc), k) * head_dim ** -0.5).softmax(-1)
-        o = source.o_ref[i] - source.c_ref[i] + source.mass[i][:, None] * torch.einsum("hb,hbd->hd", local, v)
-        out[i] = o.to(q.dtype)
-    return out
+        o = (state.o_ref[slot].to(acc) - state.c_ref[slot].to(acc)
+             + state.mass[slot].to(acc)[:, None] * torch.einsum("hb,hbd->hd", local, v))
+        out[i] = o.to(out.dtype)
 
 
 # --- Triton kernels -------------------------------------------------------------------
@@ -262,17 +320,23 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _scores_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, scores_ptr, lse_ptr, o_ref_ptr, out_ptr,
-    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh,
-    num_heads, max_context, scale,
+    q_ptr, k_ptr, tables_ptr, positions_ptr, offsets_ptr, scratch_ptr,
+    first, stride_qn, stride_qh, stride_ks, stride_kh, stride_xr, stride_xh, max_context, splits, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Per (row, KV head): scores into the scratch, lse, o_ref (fp32) and out (DT)."""
-    row = tl.program_id(0).to(tl.int64)
+    """Per (row of the chunk, KV head, split): s = q . k * D^-0.5 (fp32) of the split's share
+    of keys 0..pos, for the KV head's query heads, into the scratch."""
+    r = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = first + r
     pos = tl.load(positions_ptr + row).to(tl.int64)
     if pos >= 0:
+        n = tl.minimum(pos + 1, max_context)
+        share = tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N
+        lo = split * share
+        hi = tl.minimum(n, lo + share)
         table = tl.load(offsets_ptr + row).to(tl.int64)
         g = tl.arange(0, BLOCK_M)
         g_ok = g < GROUP
@@ -281,145 +345,230 @@ def _scores_kernel(
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        at = (row * num_heads + head) * max_context  # each head's scratch row
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, pos + 1, BLOCK_N):
+        at = r * stride_xr + head * stride_xh  # each head's scratch row
+        for start in range(lo, hi, BLOCK_N):
             # One block of keys through the page table, shared by the KV head's query heads.
             j = start + tl.arange(0, BLOCK_N)
-            j_ok = j <= pos
+            j_ok = j < hi
             page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
             slot = page * PAGE_SIZE + j % PAGE_SIZE
-            kv_mask = j_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                        mask=j_ok[:, None] & d_ok[None, :], other=0.0)
             s = _dot(q, tl.trans(k), DOT_FP32) * scale
-            s = tl.where(j_ok[None, :], s, float("-inf"))
-            tl.store(scores_ptr + at[:, None] + j[None, :], s,
-                     mask=g_ok[:, None] & j_ok[None, :] & (j[None, :] < max_context))
-            # Online softmax; every block holds key `start` <= pos, so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            m_i = m_new
-        o = acc / l_i[:, None]
-        ok = g_ok[:, None] & d_ok[None, :]
-        tl.store(lse_ptr + row * num_heads + head, m_i + tl.log(l_i), mask=g_ok)
-        tl.store(o_ref_ptr + (row * num_heads + head)[:, None] * HEAD_DIM + d[None, :], o, mask=ok)
-        o_dt = round_to(o, out_ptr.dtype.element_ty, BF16_BY_HAND)
-        tl.store(out_ptr + row * stride_on + head[:, None] * stride_oh + d[None, :],
-                 o_dt.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(scratch_ptr + at[:, None] + j[None, :], s, mask=g_ok[:, None] & j_ok[None, :])
 
 
 @triton.jit
-def _selected_block(start, row, kv_head, head, g_ok, count, table, keys_ptr, tables_ptr, cache_ptr, stride_s,
-                    stride_h, num_heads, capacity, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Selected keys start..start+BLOCK_N of each head [G, BLOCK_N] (ok: a real entry) and
-    their rows of `cache` through the row's page table, fp32 [G, BLOCK_N, BLOCK_D]."""
+def _probs(x_row, j, ok, lse):
+    """P = exp(s - lse) of keys j of a scratch row (0 where not ok) and its bits as int32:
+    P is a nonnegative fp32 below 2, so its bits order like its values and fit in 30 bits.
+    Every pass computes P by this one expression, so every pass sees the same bits."""
+    p = tl.exp(tl.load(x_row + j, mask=ok, other=float("-inf")) - lse)
+    return p, p.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _row_lse(x_row, n, BLOCK_S: tl.constexpr):
+    """log sum_j exp(s_j) over keys 0..n-1 of a scratch row (a running max and sum per lane)."""
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_S], tl.float32)
+    for start in range(0, n, BLOCK_S):
+        j = start + tl.arange(0, BLOCK_S)
+        s = tl.load(x_row + j, mask=j < n, other=float("-inf"))
+        m_new = tl.maximum(m, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen no key yet
+        l = l * tl.exp(m - m_safe) + tl.exp(s - m_safe)
+        m = m_new
+    top = tl.max(m, axis=0)  # key 0 exists: finite
+    return top + tl.log(tl.sum(l * tl.exp(m - top), axis=0))
+
+
+@triton.jit
+def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """The b-th largest P bit pattern T of keys 0..n-1 and `need`, how many keys equal to T
+    are among the top b (1 <= need <= their count): one histogram pass per digit, most
+    significant first, over the keys whose higher digits match T's."""
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
+    bins = tl.arange(0, BINS)
+    need = b  # rank of T among the keys that match the prefix found so far
+    prefix = b * 0
+    for digit in tl.static_range(DIGITS):
+        shift = (DIGITS - 1 - digit) * RADIX_BITS
+        hist = tl.zeros([BINS], tl.int32)
+        for start in range(0, n, BLOCK_S):
+            j = start + tl.arange(0, BLOCK_S)
+            ok = j < n
+            _, x = _probs(x_row, j, ok, lse)
+            if digit > 0:
+                ok = ok & ((x >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
+            hist += tl.histogram((x >> shift) & (BINS - 1), BINS, mask=ok)
+        at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys whose digit is >= each bin
+        value = tl.max(tl.where(at_least >= need, bins, 0), axis=0)  # the digit of the need-th
+        need -= tl.sum(tl.where(bins == value, at_least - hist, 0), axis=0)  # minus those above it
+        prefix = prefix | (value << shift)
+    return prefix, need
+
+
+@triton.jit
+def _write_kept(x_row, keys_row, n, lse, threshold, need, b, BLOCK_S: tl.constexpr):
+    """Keys 0..n-1 in order: keep P > T and the first `need` keys with P == T; write their
+    positions compacted (ascending) to keys_row[0..b)."""
+    kept = b * 0  # kept so far
+    ties = b * 0  # keys equal to T seen so far
+    for start in range(0, n, BLOCK_S):
+        j = start + tl.arange(0, BLOCK_S)
+        ok = j < n
+        _, x = _probs(x_row, j, ok, lse)
+        above = (ok & (x > threshold)).to(tl.int32)
+        tie = (ok & (x == threshold)).to(tl.int32)
+        # One scan for both counts: ties in the low 16 bits, keys above T in the high ones.
+        packed = tie | (above << 16)
+        both = tl.cumsum(packed, axis=0) - packed  # exclusive
+        ties_before = both & 0xFFFF
+        tie_ok = tie * ((ties + ties_before) < need).to(tl.int32)
+        at = kept + (both >> 16) + tl.minimum(ties_before, tl.maximum(need - ties, 0))
+        keep = (above | tie_ok) != 0
+        tl.store(keys_row + at, j.to(tl.int32), mask=keep & (at < b))
+        kept += tl.sum(above | tie_ok, axis=0)
+        ties += tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, kv_head, stride_vs, stride_vh, n, lse, b,
+               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """m = sum P and C_ref = sum P V over the b kept keys (V through the page table)."""
+    d = tl.arange(0, BLOCK_D)
+    mass = tl.zeros([BLOCK_V], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, b, BLOCK_V):
+        i = start + tl.arange(0, BLOCK_V)
+        ok = i < b
+        j = tl.load(keys_row + i, mask=ok, other=0, cache_modifier=".cg")  # written by this program
+        j = tl.where((j >= 0) & (j < n), j, 0).to(tl.int64)  # in bounds even for NaN scores
+        p, _ = _probs(x_row, j, ok, lse)
+        page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + j % PAGE_SIZE
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                    mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        mass += p
+        acc += tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    return tl.sum(mass, axis=0), acc
+
+
+@triton.jit
+def _select_kernel(
+    scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, dense_ptr,
+    keys_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr,
+    first, stride_xr, stride_xh, stride_vs, stride_vh, stride_dn, stride_dh, num_heads, capacity, max_context,
+    num, den,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """Per (row of the chunk, query head): lse, the exact top-b of P, and the slot's state."""
+    r = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = first + r
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    if pos >= 0:
+        n = tl.minimum(pos + 1, max_context)
+        b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        x_row = scratch_ptr + r * stride_xr + head * stride_xh
+        lse = _row_lse(x_row, n, BLOCK_S)
+        threshold, need = _radix_select(x_row, n, lse, b, BLOCK_S, RADIX_BITS)
+        at = slot * num_heads + head
+        keys_row = keys_ptr + at * capacity
+        _write_kept(x_row, keys_row, n, lse, threshold, need, b, BLOCK_S)
+        tl.debug_barrier()  # the kept positions, written above by other threads, are read below
+        table = tl.load(offsets_ptr + row).to(tl.int64)
+        mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs, stride_vh,
+                                 n, lse, b, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        dense = tl.load(dense_ptr + row * stride_dn + head * stride_dh + d, mask=d_ok, other=0.0)
+        tl.store(o_ref_ptr + at * HEAD_DIM + d, dense.to(tl.float32), mask=d_ok)
+        tl.store(c_ref_ptr + at * HEAD_DIM + d, c_ref, mask=d_ok)
+        tl.store(mass_ptr + at, mass)
+        if head == 0:
+            tl.store(count_ptr + slot, b)
+
+
+@triton.jit
+def _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, cache_ptr, stride_s, stride_h,
+                PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Kept keys start..start+BLOCK_N of each head (`keys_row` [G] pointers; ok: a real
+    entry [G, BLOCK_N]) and their rows of `cache` through the row's page table, fp32
+    [G, BLOCK_N, BLOCK_D]."""
     i = start + tl.arange(0, BLOCK_N)
     ok = g_ok[:, None] & (i[None, :] < count)
-    sel = tl.load(keys_ptr + (row * num_heads + head)[:, None] * capacity + i[None, :], mask=ok, other=-1)
-    ok = ok & (sel >= 0)
-    sel = tl.where(ok, sel, 0).to(tl.int64)
-    page = tl.load(tables_ptr + table + sel // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
-    slot = page * PAGE_SIZE + sel % PAGE_SIZE
+    j = tl.load(keys_row[:, None] + i[None, :], mask=ok, other=0).to(tl.int64)
+    page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + j % PAGE_SIZE
     d = tl.arange(0, BLOCK_D)
     mask = ok[:, :, None] & (d < HEAD_DIM)[None, None, :]
     x = tl.load(cache_ptr + slot[:, :, None] * stride_s + kv_head * stride_h + d[None, None, :], mask=mask, other=0.0)
-    return sel, ok, x.to(tl.float32)
-
-
-@triton.jit
-def _selection_program(positions_ptr, offsets_ptr, count_ptr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-    """A (row, KV head) program over a row's selection: the row, KV head, position, count,
-    table offset, the KV head's query heads (and which lanes are real) and channels."""
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    g = tl.arange(0, BLOCK_G)
-    return (row, kv_head, tl.load(positions_ptr + row), tl.load(count_ptr + row),
-            tl.load(offsets_ptr + row).to(tl.int64), g < GROUP, kv_head * GROUP + g, tl.arange(0, BLOCK_D))
-
-
-@triton.jit
-def _selected_kernel(
-    probs_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, keys_ptr, count_ptr, mass_ptr, c_ref_ptr,
-    stride_vs, stride_vh, num_heads, max_context, capacity,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Per (row, KV head): m = sum_S P and C_ref = sum_S P V2 over each head's selection."""
-    row, kv_head, pos, count, table, g_ok, head, d = _selection_program(positions_ptr, offsets_ptr, count_ptr,
-                                                                        GROUP, BLOCK_G, BLOCK_D)
-    if (pos >= 0) & (count > 0):
-        mass = tl.zeros([BLOCK_G], tl.float32)
-        c = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for start in range(0, count, BLOCK_N):
-            sel, ok, v = _selected_block(start, row, kv_head, head, g_ok, count, table, keys_ptr, tables_ptr, v_ptr,
-                                         stride_vs, stride_vh, num_heads, capacity, PAGE_SIZE, HEAD_DIM, BLOCK_N,
-                                         BLOCK_D)
-            p = tl.load(probs_ptr + (row * num_heads + head)[:, None] * max_context + sel, mask=ok, other=0.0)
-            mass += tl.sum(p, axis=1)
-            c += tl.sum(p[:, :, None] * v, axis=1)
-        tl.store(mass_ptr + row * num_heads + head, mass, mask=g_ok)
-        tl.store(c_ref_ptr + (row * num_heads + head)[:, None] * HEAD_DIM + d[None, :], c,
-                 mask=g_ok[:, None] & (d < HEAD_DIM)[None, :])
+    return ok, x.to(tl.float32)
 
 
 @triton.jit
 def _correction_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, keys_ptr, count_ptr, mass_ptr, o_ref_ptr,
-    c_ref_ptr, out_ptr, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh,
-    num_heads, capacity, scale,
+    q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, keys_ptr, count_ptr, mass_ptr,
+    o_ref_ptr, c_ref_ptr, out_ptr, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on,
+    stride_oh, num_heads, capacity, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
-    """Per (row, KV head): softmax of q_r . K_r over each head's S, corrected by the source."""
-    row, kv_head, pos, count, table, g_ok, head, d = _selection_program(positions_ptr, offsets_ptr, count_ptr,
-                                                                        GROUP, BLOCK_G, BLOCK_D)
-    if (pos >= 0) & (count > 0):
-        d_ok = d < HEAD_DIM
-        ok_gd = g_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + d[None, :], mask=ok_gd, other=0.0)
-        q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for start in range(0, count, BLOCK_N):
-            _, ok, k = _selected_block(start, row, kv_head, head, g_ok, count, table, keys_ptr, tables_ptr, k_ptr,
-                                       stride_ks, stride_kh, num_heads, capacity, PAGE_SIZE, HEAD_DIM, BLOCK_N,
-                                       BLOCK_D)
-            _, _, v = _selected_block(start, row, kv_head, head, g_ok, count, table, keys_ptr, tables_ptr, v_ptr,
-                                      stride_vs, stride_vh, num_heads, capacity, PAGE_SIZE, HEAD_DIM, BLOCK_N,
-                                      BLOCK_D)
-            s = tl.sum(q[:, None, :] * k, axis=2) * scale  # [G, BLOCK_N], fp32 products
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded heads see no key
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
-            m_i = m_new
-        local = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        at = (row * num_heads + head)[:, None] * HEAD_DIM + d[None, :]
-        o_ref = tl.load(o_ref_ptr + at, mask=ok_gd, other=0.0)
-        c_ref = tl.load(c_ref_ptr + at, mask=ok_gd, other=0.0)
-        mass = tl.load(mass_ptr + row * num_heads + head, mask=g_ok, other=0.0)
-        o = o_ref - c_ref + mass[:, None] * local
-        o_dt = round_to(o, out_ptr.dtype.element_ty, BF16_BY_HAND)
-        tl.store(out_ptr + row * stride_on + head[:, None] * stride_oh + d[None, :],
-                 o_dt.to(out_ptr.dtype.element_ty), mask=ok_gd)
+    """Per (row, KV head): softmax of q_r . K_r over each head's kept keys, corrected by the
+    slot's state, into out (in place)."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    pos = tl.load(positions_ptr + row)
+    if pos >= 0:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        count = tl.load(count_ptr + slot)
+        if count > 0:
+            table = tl.load(offsets_ptr + row).to(tl.int64)
+            g = tl.arange(0, BLOCK_G)
+            g_ok = g < GROUP
+            head = kv_head * GROUP + g
+            at = slot * num_heads + head
+            keys_row = keys_ptr + at * capacity
+            d = tl.arange(0, BLOCK_D)
+            ok_gd = g_ok[:, None] & (d < HEAD_DIM)[None, :]
+            q = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + d[None, :], mask=ok_gd, other=0.0)
+            q = q.to(tl.float32)
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for start in range(0, count, BLOCK_N):
+                ok, k = _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, k_ptr, stride_ks,
+                                    stride_kh, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+                _, v = _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
+                                   stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+                s = tl.sum(q[:, None, :] * k, axis=2) * scale  # [G, BLOCK_N], fp32 products
+                s = tl.where(ok, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded heads see no key
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
+                m_i = m_new
+            local = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            vec = at[:, None] * HEAD_DIM + d[None, :]
+            o_ref = tl.load(o_ref_ptr + vec, mask=ok_gd, other=0.0)
+            c_ref = tl.load(c_ref_ptr + vec, mask=ok_gd, other=0.0)
+            mass = tl.load(mass_ptr + at, mask=g_ok, other=0.0)
+            o = round_to(o_ref - c_ref + mass[:, None] * local, out_ptr.dtype.element_ty, BF16_BY_HAND)
+            tl.store(out_ptr + row * stride_on + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=ok_gd)
 
 
 # --- launchers ------------------------------------------------------------------------
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-           positions: torch.Tensor, table_offsets: torch.Tensor) -> None:
+           positions: torch.Tensor, table_offsets: torch.Tensor, slots: torch.Tensor, state: SlotState) -> None:
     """Layout assertions (no host sync: shapes, dtypes and strides only)."""
     n, num_heads, head_dim = q.shape
     assert q.dtype in DTYPES, f"sparse decode kernels take {', '.join(map(str, DTYPES))}, not {q.dtype}"
@@ -427,95 +576,106 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
     assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the caches share the model dtype"
     assert num_heads % k_cache.shape[1] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "the head dim must be contiguous"
-    assert positions.shape == (n,) and table_offsets.shape == (n,), "positions and table offsets: [N]"
-    for t in (tables, positions, table_offsets):
-        assert t.is_contiguous() and not t.is_floating_point(), "tables, positions and offsets: contiguous ints"
+    assert positions.shape == table_offsets.shape == slots.shape == (n,), "positions, table offsets, slots: [N]"
+    for t in (tables, positions, table_offsets, slots):
+        assert t.is_contiguous() and not t.is_floating_point(), "tables, positions, offsets, slots: contiguous ints"
+    num_slots, capacity = state.keys.shape[0], state.keys.shape[2]
+    shapes = {"keys": (num_slots, num_heads, capacity), "count": (num_slots,), "mass": (num_slots, num_heads),
+              "o_ref": (num_slots, num_heads, head_dim), "c_ref": (num_slots, num_heads, head_dim)}
+    for name, shape in shapes.items():
+        t = getattr(state, name)
+        assert t.shape == shape and t.is_contiguous(), f"state.{name}: contiguous {list(shape)}"
+    assert state.keys.dtype == state.count.dtype == torch.int32, "state keys and count: int32"
+    assert state.mass.dtype == state.o_ref.dtype == state.c_ref.dtype == torch.float32, "the kernels' state: fp32"
 
 
-def _shape(q: torch.Tensor, k_cache: torch.Tensor, page_size: int) -> dict:
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    return dict(PAGE_SIZE=page_size, GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim,
+def _shape(num_heads: int, cache: torch.Tensor, page_size: int) -> dict:
+    head_dim = cache.shape[2]
+    return dict(PAGE_SIZE=page_size, GROUP=num_heads // cache.shape[1], HEAD_DIM=head_dim,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
-
-
-def select_keys(scores: torch.Tensor, lse: torch.Tensor, count: torch.Tensor,
-                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`count` keys of P = exp(scores - lse) per (row, head), on the device, no host
-    sync: keys int32 [N, Hq, capacity] in rank order (-1 past count) and P fp32
-    [N, Hq, L]. The rank key (bits of P) << 32 | (2^32 - 1 - position) is distinct per key
-    and orders by P, then lower position (module docstring)."""
-    n, num_heads, length = scores.shape
-    probs = torch.exp(scores - lse[..., None])
-    position = torch.arange(length, device=scores.device, dtype=torch.int64)
-    rank = (probs.view(torch.int32).to(torch.int64) << 32) | (_LOW_WORD - position)
-    top = rank.topk(min(capacity, length), dim=-1, sorted=True).indices.to(torch.int32)
-    keys = torch.full((n, num_heads, capacity), -1, dtype=torch.int32, device=scores.device)
-    rank_of = torch.arange(top.shape[-1], device=scores.device)
-    keys[..., : top.shape[-1]] = torch.where(rank_of < count[:, None, None], top, -1)
-    return keys, probs
 
 
 def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, key_retention: float,
-                  capacity: int, *, max_context: int, block_n: int = 32, out: torch.Tensor | None = None,
-                  ) -> DecodeSource:
-    """Loop-2 source on the device: scores kernel, torch selection, selected-sum kernel; no
-    host sync. max_context (static, > every position) sizes the scratch and bounds the
-    budget that `capacity` must cover (checked here from Python ints)."""
-    _check(q, k_cache, v_cache, tables, positions, table_offsets)
-    check_capacity(max_context, key_retention, capacity)
+                  *, dense: torch.Tensor, slots: torch.Tensor, state: SlotState, max_context: int,
+                  scratch: torch.Tensor | None = None, blocks: Blocks = Blocks()) -> None:
+    """Loop-2 state on the device: per chunk of scratch rows, the scores kernel then the
+    select kernel; no host sync, a fixed launch sequence for fixed shapes (CUDA graphs).
+    max_context (static, > every position) bounds the keys and the budgets that the state's
+    capacity must cover (checked here from Python ints)."""
+    _check(q, k_cache, v_cache, tables, positions, table_offsets, slots, state)
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    dev = q.device
-    shape = _shape(q, k_cache, page_size)
-    by_hand = _INTERPRET and q.dtype == torch.bfloat16
-    scores = torch.full((n, num_heads, max_context), float("-inf"), dtype=torch.float32, device=dev)
-    lse = torch.zeros(n, num_heads, dtype=torch.float32, device=dev)  # padding rows: P = exp(-inf) = 0
-    o_ref = torch.zeros(n, num_heads, head_dim, dtype=torch.float32, device=dev)
-    out = torch.zeros_like(q) if out is None else out
-    if n > 0:
-        _scores_kernel[(n, num_kv_heads)](
-            q, k_cache, v_cache, tables, positions, table_offsets, scores, lse, o_ref, out,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            out.stride(0), out.stride(1), num_heads, max_context, head_dim ** -0.5,
-            BLOCK_M=max(16, triton.next_power_of_2(shape["GROUP"])), BLOCK_N=block_n,
-            DOT_FP32=_INTERPRET or q.dtype == torch.float32, BF16_BY_HAND=by_hand, **shape,
-        )
-    count = key_budgets(positions, key_retention)
-    keys, probs = select_keys(scores, lse, count, capacity)
-    mass = torch.zeros(n, num_heads, dtype=torch.float32, device=dev)
-    c_ref = torch.zeros_like(o_ref)
-    if n > 0:
-        _selected_kernel[(n, num_kv_heads)](
-            probs, v_cache, tables, positions, table_offsets, keys, count, mass, c_ref,
-            v_cache.stride(0), v_cache.stride(1), num_heads, max_context, capacity,
-            BLOCK_G=triton.next_power_of_2(shape["GROUP"]), BLOCK_N=block_n, **shape,
-        )
-    return DecodeSource(keys, count, mass, o_ref, c_ref, out)
+    capacity = state.keys.shape[2]
+    check_capacity(max_context, key_retention, capacity)
+    assert dense.shape == q.shape and dense.dtype == q.dtype and dense.stride(2) == 1, "dense: [N, Hq, D] in q's dtype"
+    assert 16 <= blocks.scores and blocks.select <= 1 << 15, "scores blocks feed tl.dot; select blocks count in 16 bits"
+    if n == 0:
+        return
+    if scratch is None:
+        rows = min(n, scratch_rows(num_heads, max_context, SCRATCH_BYTES))
+        scratch = torch.empty(rows, num_heads, max_context, dtype=torch.float32, device=q.device)
+    assert (scratch.dtype == torch.float32 and scratch.dim() == 3 and scratch.shape[1] == num_heads
+            and scratch.shape[2] >= max_context and scratch.stride(2) == 1), "scratch: fp32 [rows, Hq, >= max_context]"
+    chunk = scratch.shape[0]
+    splits = blocks.splits or score_splits(min(n, chunk), k_cache.shape[1], max_context, _num_sms(q.device))
+    for first in range(0, n, chunk):
+        rows = min(chunk, n - first)
+        _launch_scores(q, k_cache, tables, positions, table_offsets, page_size, scratch, first, rows, max_context,
+                       splits, blocks)
+        _launch_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, slots, state,
+                       scratch, first, rows, max_context, blocks)
+
+
+def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                   table_offsets: torch.Tensor, page_size: int, scratch: torch.Tensor, first: int, rows: int,
+                   max_context: int, splits: int, blocks: Blocks) -> None:
+    """The scores kernel over rows first..first+rows-1 into scratch rows 0..rows-1."""
+    shape = _shape(q.shape[1], k_cache, page_size)
+    _scores_kernel[(rows, k_cache.shape[1], splits)](
+        q, k_cache, tables, positions, table_offsets, scratch,
+        first, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), scratch.stride(0), scratch.stride(1),
+        max_context, splits, q.shape[2] ** -0.5,
+        BLOCK_M=max(16, triton.next_power_of_2(shape["GROUP"])), BLOCK_N=blocks.scores,
+        DOT_FP32=_INTERPRET or q.dtype == torch.float32, **shape,
+    )
+
+
+def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                   table_offsets: torch.Tensor, page_size: int, key_retention: float, dense: torch.Tensor,
+                   slots: torch.Tensor, state: SlotState, scratch: torch.Tensor, first: int, rows: int,
+                   max_context: int, blocks: Blocks) -> None:
+    """The select kernel over rows first..first+rows-1, whose scores are in scratch rows
+    0..rows-1."""
+    num_heads = dense.shape[1]
+    num, den = retention_fraction(key_retention)
+    _select_kernel[(rows, num_heads)](
+        scratch, v_cache, tables, positions, table_offsets, slots, dense,
+        state.keys, state.count, state.mass, state.o_ref, state.c_ref,
+        first, scratch.stride(0), scratch.stride(1), v_cache.stride(0), v_cache.stride(1), dense.stride(0),
+        dense.stride(1), num_heads, state.keys.shape[2], max_context, num, den,
+        BLOCK_S=blocks.select, BLOCK_V=blocks.gather, RADIX_BITS=blocks.radix_bits,
+        **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps,
+    )
 
 
 def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                      positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, source: DecodeSource,
-                      *, block_n: int = 32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Loop >= 3 output: one program per (row, KV head) over the row's count selected keys;
-    no host sync."""
-    _check(q, k_cache, v_cache, tables, positions, table_offsets)
+                      positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
+                      slots: torch.Tensor, state: SlotState, out: torch.Tensor, blocks: Blocks = Blocks()) -> None:
+    """Loop >= 3 outputs into `out` in place: one program per (row, KV head) over its slot's
+    kept keys; no host sync."""
+    _check(q, k_cache, v_cache, tables, positions, table_offsets, slots, state)
     n, num_heads, head_dim = q.shape
-    assert source.keys.shape[:2] == (n, num_heads) and source.keys.is_contiguous(), "keys: [N, Hq, C] contiguous"
-    assert source.o_ref.dtype == source.c_ref.dtype == source.mass.dtype == torch.float32, "source state is fp32"
-    assert source.o_ref.is_contiguous() and source.c_ref.is_contiguous() and source.mass.is_contiguous()
-    out = torch.zeros_like(q) if out is None else out
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out: [N, Hq, D] in q's dtype"
     if n == 0:
-        return out
-    shape = _shape(q, k_cache, page_size)
+        return
+    shape = _shape(num_heads, k_cache, page_size)
     _correction_kernel[(n, k_cache.shape[1])](
-        q, k_cache, v_cache, tables, positions, table_offsets, source.keys, source.count, source.mass,
-        source.o_ref, source.c_ref, out, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), num_heads, source.keys.shape[2],
-        head_dim ** -0.5, BLOCK_G=triton.next_power_of_2(shape["GROUP"]), BLOCK_N=block_n,
+        q, k_cache, v_cache, tables, positions, table_offsets, slots, state.keys, state.count, state.mass,
+        state.o_ref, state.c_ref, out, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), num_heads, state.keys.shape[2],
+        head_dim ** -0.5, BLOCK_G=triton.next_power_of_2(shape["GROUP"]), BLOCK_N=blocks.correction,
         BF16_BY_HAND=_INTERPRET and q.dtype == torch.bfloat16, **shape,
     )
-    return out
 
 
 # --- dispatch -------------------------------------------------------------------------
@@ -530,24 +690,27 @@ def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
 
 
 def decode_source(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                  positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, key_retention: float,
-                  capacity: int, *, max_context: int, block_n: int = 32, out: torch.Tensor | None = None,
-                  use_triton: bool | None = None) -> DecodeSource:
-    """Loop-2 source (module docstring); checks capacity against max_context on the host
-    from Python ints before either implementation runs."""
-    check_capacity(max_context, key_retention, capacity)
-    args = (q, k_cache, v_cache, tables, positions, table_offsets, page_size, key_retention, capacity)
+                  positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, key_retention: float, *,
+                  dense: torch.Tensor, slots: torch.Tensor, state: SlotState, max_context: int,
+                  scratch: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
+    """Loop-2 state of the rows into their slots (module docstring); checks the capacity
+    against max_context on the host from Python ints before either implementation runs."""
+    check_capacity(max_context, key_retention, state.keys.shape[2])
+    args = (q, k_cache, v_cache, tables, positions, table_offsets, page_size, key_retention)
     if _use_triton(q, use_triton):
-        return source_triton(*args, max_context=max_context, block_n=block_n, out=out)
-    return source_reference(*args, max_context=max_context, out=out)
+        source_triton(*args, dense=dense, slots=slots, state=state, max_context=max_context, scratch=scratch)
+    else:
+        source_reference(*args, dense=dense, slots=slots, state=state, max_context=max_context)
 
 
 def decode_correction(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                      positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, source: DecodeSource,
-                      *, block_n: int = 32, out: torch.Tensor | None = None,
-                      use_triton: bool | None = None) -> torch.Tensor:
-    """Loop >= 3 output from a loop-2 source (module docstring)."""
-    args = (q, k_cache, v_cache, tables, positions, table_offsets, page_size, source)
+                      positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
+                      slots: torch.Tensor, state: SlotState, out: torch.Tensor,
+                      use_triton: bool | None = None) -> None:
+    """Loop >= 3 outputs of the rows from their slots' state, into `out` in place (module
+    docstring)."""
+    args = (q, k_cache, v_cache, tables, positions, table_offsets, page_size)
     if _use_triton(q, use_triton):
-        return correction_triton(*args, block_n=block_n, out=out)
-    return correction_reference(*args, out=out)
+        correction_triton(*args, slots=slots, state=state, out=out)
+    else:
+        correction_reference(*args, slots=slots, state=state, out=out)

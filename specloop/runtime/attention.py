@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -105,14 +106,15 @@ class _Sparse:
     cells: torch.Tensor | None  # the rows' request cells (INT4 residual planes)
     longest: int  # the pass's longest context (host)
     exited: torch.Tensor | None  # [N] the rows whose token exited before the pass (adaptive exit)
+    correction_tiles: torch.Tensor | None  # the correction rows' query tiles (Triton: the dense launch skips them)
 
     @classmethod
     def of(cls, lp: LoopPass, keep: torch.Tensor | None) -> "_Sparse | None":
         if lp.sparse is None:
             return None
+        longest = lp.max_context if lp.max_context is not None else max((g.context for g in lp.groups), default=0)
         return cls(lp.sparse, lp.tables, lp.positions, lp.table_offsets, lp.token_slots, lp.depths,
-                   lp.residual.cells if lp.residual is not None else None,
-                   max((g.context for g in lp.groups), default=0), keep)
+                   lp.residual.cells if lp.residual is not None else None, longest, keep, lp.correction_tiles)
 
 
 class TorchAttention:
@@ -253,24 +255,53 @@ class TritonAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
         res = meta.residual
+        # Sparse decode correction rows are not in the tiles: zeros until corrected (or run
+        # dense, a missing state's fallback), never uninitialised memory (exited rows keep them).
+        corrects = meta.sparse is not None and meta.sparse.correction_tiles is not None
+        out = torch.zeros_like(q) if corrects else None
         if res is not None:  # encode the pass's ready groups, then read each key exact or packed
             store = self.residuals
             store.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
-            out, _ = packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
-                                      store.layer_view(layer), res.cells, res.depths, res.positions,
-                                      meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
-                                      tile_rows=meta.tile_rows)
-            return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True)
-        out, _ = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, meta.tiles,
-                                 self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits)
-        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True)
+
+            def dense(tiles: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+                return packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
+                                        store.layer_view(layer), res.cells, res.depths, res.positions,
+                                        meta.table_offsets, num_splits=meta.num_splits, tiles=tiles,
+                                        tile_rows=meta.tile_rows, out=out)[0]
+        else:
+            def dense(tiles: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+                return paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, tiles,
+                                       self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits,
+                                       out=out)[0]
+        out = dense(meta.tiles, out)
+        fallback = None
+        if corrects:
+            tiles, tile_rows = meta.sparse.correction_tiles, meta.tile_rows
+
+            def fallback(need: torch.Tensor) -> None:  # the correction tiles holding a row that needs it
+                dense(_tiles_with(tiles, need, tile_rows), out)
+        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True, fallback=fallback)
+
+
+def _tiles_with(tiles: torch.Tensor, rows: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """`tiles` [M, 3] with 0 rows wherever none of a tile's rows is set in `rows` [N] bool
+    (a launch over them computes only the tiles that hold such a row; no host sync)."""
+    span = torch.arange(tile_rows, device=tiles.device)
+    at = (tiles[:, :1] + span).clamp(max=max(rows.numel() - 1, 0))
+    hit = (rows[at] & (span < tiles[:, 1:2])).any(1) if rows.numel() else torch.zeros_like(tiles[:, 0], dtype=bool)
+    out = tiles.clone()
+    out[:, 1] = torch.where(hit, tiles[:, 1], 0)
+    return out
 
 
 def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: torch.Tensor, out: torch.Tensor,
-                   sparse: _Sparse | None, use_triton: bool) -> torch.Tensor:
+                   sparse: _Sparse | None, use_triton: bool,
+                   fallback: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """The pass's generated-token rows of `out` as sparse decode attention gives them
     (`DecodeReferences.attend`); `out` unchanged without such rows. The torch backend runs
-    the kernels' torch references, the Triton one the kernels."""
+    the kernels' torch references over the dense output of every row, the Triton one the
+    kernels, its correction rows left out of the dense launch (`fallback(rows)` runs the
+    tiles of rows [N] bool dense: a missing state's)."""
     if sparse is None:
         return out
     kv = backend.kv
@@ -285,7 +316,7 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
                              sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
         read = gathered_reader(keys_of, sparse.longest, kv.page_size)
     return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
-                                     use_triton, sparse.longest, sparse.exited)
+                                     use_triton, sparse.longest, sparse.exited, fallback)
 
 
 def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, num_kv_heads: int,

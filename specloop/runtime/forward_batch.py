@@ -111,6 +111,9 @@ class LoopPass:
     residual: ResidualPass | None = None  # INT4 residual planes on: what the pass may encode
     encode_plan: Any = None  # set by the runner before the backend builds (kv_residual.EncodePlan)
     sparse: SparseRows | None = None  # sparse decode attention on: the pass's generated-token rows
+    # ... and the query tiles of its correction rows, which `tiles` leaves out (`SparseRows`)
+    correction_tiles: torch.Tensor | None = None
+    max_context: int | None = None  # a bound on every row's position + 1 fixed by the caller (a CUDA graph)
 
     @functools.cached_property
     def write_slots(self) -> torch.Tensor:
@@ -135,18 +138,22 @@ class PassLayout:
     cells and their planes' page-table offsets ([C, P]). Rows past the pass's own are
     padding: position 0, depth 0, the pad token slot, the pad table entry (whose page is a
     sink nobody reads), tiles of 0 rows, no planes (-1), the pad cell; cells past the
-    pass's own are the pad cell with no planes (-1). A CUDA graph captured for a bucket
-    reads a block of this layout at a fixed address."""
+    pass's own are the pad cell with no planes (-1). With sparse decode attention each row's
+    role ([b]: 1 a source, 2 a correction, 0 neither) and the correction rows' query tiles
+    ([b, 3], which `tiles` leaves out) follow, padding roles 0 and tiles of 0 rows. A CUDA
+    graph captured for a bucket reads a block of this layout at a fixed address."""
 
     bucket: int
     planes: int  # R with adaptive exit, else 0
     residual_planes: int = 0  # P with INT4 residuals, else 0
     residual_cells: int = 0  # C: request cells of the residual columns
+    sparse: bool = False  # sparse decode attention: row roles [b] and correction tiles [b, 3]
 
     @property
     def size(self) -> int:
         residual = self.bucket + self.residual_cells * (1 + self.residual_planes) if self.residual_planes else 0
-        return (4 + TILE_COLUMNS + self.planes) * self.bucket + residual
+        sparse = (1 + TILE_COLUMNS) * self.bucket if self.sparse else 0
+        return (4 + TILE_COLUMNS + self.planes) * self.bucket + residual + sparse
 
     def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
         b = self.bucket
@@ -161,6 +168,10 @@ class PassLayout:
             out["cells"] = block[at: at + b]
             out["pass_cells"] = block[at + b: at + b + c]
             out["plane_tables"] = block[at + b + c: at + b + c * (1 + p)].view(c, p)
+            at += b + c * (1 + p)
+        if self.sparse:
+            out["roles"] = block[at: at + b]
+            out["correction_tiles"] = block[at + b: at + (1 + TILE_COLUMNS) * b].view(b, TILE_COLUMNS)
         return out
 
 
@@ -335,7 +346,8 @@ class ForwardBatchBuilder:
         return bucket in self.buckets and (self.tile_rows is None or tile_rows == self.tile_rows[0])
 
     def _layout(self, bucket: int, planes: int, cells: int) -> PassLayout:
-        return PassLayout(bucket, planes, self.num_loops if self.residual else 0, cells if self.residual else 0)
+        return PassLayout(bucket, planes, self.num_loops if self.residual else 0, cells if self.residual else 0,
+                          self.sparse_decode)
 
     def graph_layout(self, bucket: int, adaptive_exit: bool) -> PassLayout:
         """The block layout of the graph of `bucket` rows (every request cell column padded)."""
@@ -410,12 +422,14 @@ class ForwardBatchBuilder:
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
         ints = cells + slots + tokens + enter + enter_inc + head_ints + tables
-        blocks = []  # (at, layout, rows, tile_rows, tiles, residual) per pass
+        blocks = []  # (at, layout, rows, tile_rows, tiles, residual, correction tiles) per pass
         if self.residual_tail is not None:
             self._start_backlog(plan)
+        # sparse decode attention: each pass's (sources, corrections); corrections leave the dense tiles
+        sparse = [_sparse_rows(ordered, firsts, p) if self.sparse_decode else ([], []) for p in range(num_passes)]
         for p, pass_shapes in enumerate(shapes):
             n = sum(s.rows for s in pass_shapes)
-            tiles, tile_rows = self._tiles(pass_shapes)
+            tiles, tile_rows, correction_tiles = self._tiles(pass_shapes, sparse[p][1])
             bucket = self.bucket(n)
             rp = self._residual_pass(ordered, p, table_at) if self.residual else None
             if rp is None:
@@ -425,15 +439,14 @@ class ForwardBatchBuilder:
                 rp = rp[:2] + fixed
             else:
                 layout = self._layout(bucket, len(plane_columns), len(rp[0]))
-            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:]))
+            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:],
+                           len(correction_tiles) // TILE_COLUMNS))
             ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns,
-                                    cells, rp))
+                                    cells, rp, sparse[p], correction_tiles))
         sparse_at = []  # per pass: (where its rows start in the upload, sources, corrections)
-        if self.sparse_decode:
-            for p in range(num_passes):
-                source, correction = _sparse_rows(ordered, firsts, p)
-                sparse_at.append((len(ints), len(source), len(correction)))
-                ints.extend(source + correction)
+        for source, correction in sparse:
+            sparse_at.append((len(ints), len(source), len(correction)))
+            ints.extend(source + correction)
         window_at = len(ints)
         if windows:
             ints.extend(self._window_ints(windows))
@@ -576,10 +589,12 @@ class ForwardBatchBuilder:
 
     def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
                slots: list[int], shapes: list[GroupShape], tiles: list[int], plane_columns: list[list[int]],
-               cells: list[int], residual: tuple | None) -> list[int]:
+               cells: list[int], residual: tuple | None, sparse: tuple[list[int], list[int]],
+               correction_tiles: list[int]) -> list[int]:
         """Pass p's block (`PassLayout`): its n rows' columns, then padding up to the bucket;
         with INT4 residuals the rows' cells and the pass's (cells, plane tables), padded up
-        to the layout's cells."""
+        to the layout's cells; with sparse decode attention the rows' roles and the
+        correction tiles."""
         pad = layout.bucket - n
         out = positions[:n] + [0] * pad
         out += [d + p for d in depths[:n]] + [0] * pad
@@ -596,14 +611,29 @@ class ForwardBatchBuilder:
             out += cells[:n] + [self.pad_cell] * pad
             out += pass_cells + [self.pad_cell] * more
             out += plane_tables + [-1] * (more * layout.residual_planes)
+        if layout.sparse:
+            roles = [0] * layout.bucket
+            for row in sparse[0]:
+                roles[row] = 1
+            for row in sparse[1]:
+                roles[row] = 2
+            out += roles + correction_tiles + [0] * (TILE_COLUMNS * layout.bucket - len(correction_tiles))
         return out
 
-    def _tiles(self, shapes: list[GroupShape]) -> tuple[list[int], int]:
+    def _tiles(self, shapes: list[GroupShape], corrections: list[int]) -> tuple[list[int], int, list[int]]:
+        """(tiles, tile rows, correction tiles): the pass's query tiles without its sparse
+        decode correction rows (a tail of their groups), and those rows' own tiles."""
         if self.tile_rows is None:
-            return [], 0
+            return [], 0, []
         small, large = self.tile_rows
         size = small if max((s.rows for s in shapes), default=0) <= small else large
-        return query_tiles([(s.first, s.rows, s.table) for s in shapes], size), size
+        corrected = set(corrections)
+        dense, sparse = [], []
+        for s in shapes:
+            c = sum(1 for row in range(s.first, s.first + s.rows) if row in corrected) if corrected else 0
+            dense.append((s.first, s.rows - c, s.table))
+            sparse.append((s.first + s.rows - c, c, s.table))
+        return query_tiles(dense, size), size, query_tiles(sparse, size)
 
     def _take_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next staging pair, once the copy that last read it has completed (on CUDA that
@@ -642,10 +672,12 @@ class ForwardBatchBuilder:
         head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
         bs = self.page_size
         passes = []
-        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, residual) in zip(shapes, blocks):
+        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, residual, num_corrections) in zip(shapes,
+                                                                                                     blocks):
+            tiled = self.tile_rows is not None
             passes.append(pass_view(layout, ints[start: start + layout.size], tables, bs, rows, pass_shapes,
-                                    tile_rows, num_tiles if self.tile_rows is not None else None,
-                                    residual=residual))
+                                    tile_rows, num_tiles if tiled else None, residual=residual,
+                                    correction_tiles=num_corrections if tiled else None))
         segments: dict[type, HeadSegment] = {}
         start = 0
         for kind in HEAD_TYPES:
@@ -663,15 +695,26 @@ class ForwardBatchBuilder:
 
 def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, page_size: int, rows: int,
               shapes: list[GroupShape], tile_rows: int, num_tiles: int | None,
-              num_splits: int | None = None, residual: tuple[int, tuple[int, ...]] | None = None) -> LoopPass:
+              num_splits: int | None = None, residual: tuple[int, tuple[int, ...]] | None = None,
+              correction_tiles: int | None = None, sparse_roles: bool = False,
+              max_context: int | None = None) -> LoopPass:
     """The `LoopPass` of a block: views of its first `rows` rows (a CUDA graph calls this
     inside its capture, with every row of the bucket); `residual` (candidates, planes with
-    rows) where the layout holds residual columns."""
+    rows) where the layout holds residual columns; `correction_tiles`: how many of the
+    block's correction tiles to view; `sparse_roles`: the pass's `SparseRows` are every
+    row, with the roles column saying which play a part (a CUDA graph's)."""
     v = layout.views(block)
     lp = LoopPass(rows, v["positions"][:rows], v["depths"][:rows], tables, v["table_offsets"][:rows],
                   v["planes"][:rows] if layout.planes else None, shapes, page_size,
                   tiles=v["tiles"][:num_tiles] if num_tiles is not None else None, tile_rows=tile_rows,
-                  token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits)
+                  token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits,
+                  max_context=max_context)
+    if layout.sparse and correction_tiles is not None:
+        lp.correction_tiles = v["correction_tiles"][:correction_tiles]
+    if sparse_roles:
+        roles = v["roles"][:rows]
+        every = torch.arange(rows, device=block.device)
+        lp.sparse = SparseRows(every, every, roles == 1, roles == 2)
     if layout.residual_planes:
         assert residual is not None, "a block with residual columns needs its candidates"
         lp.residual = ResidualPass(v["cells"][:rows], v["pass_cells"], v["plane_tables"], *residual)
@@ -690,7 +733,7 @@ def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.d
     if layout.residual_planes:
         c = layout.residual_cells
         block[at: at + b + c] = pad_cell
-        block[at + b + c:] = -1
+        block[at + b + c: at + b + c * (1 + layout.residual_planes)] = -1  # (then roles 0, correction tiles 0)
     return block
 
 

@@ -21,6 +21,11 @@ INT4 residuals the pass's appends, its encoding plan (a fixed number of candidat
 per cell and plane, every plane: `ForwardBatchBuilder.graph_residual`), the per-layer
 encoding and the packed reader are captured too; padding cells' candidates are never
 ready, so they encode into the sink record only.
+With sparse decode attention each bucket has a second graph, for passes with generated-token
+rows: it runs the source and correction steps over every row of the bucket, the block's
+roles column saying which rows play which part (`SparseRows`), the correction rows'
+fallback tiles from the block, the scores scratch at its fixed address, and the state in
+the decode slots (a padding row's part is none, so it writes nothing).
 Passes whose groups need the kernel's large tiles (prompt chunks) or more rows than the
 largest bucket run eager, as do the heads and sampling.
 """
@@ -43,8 +48,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class _Graph:
-    def __init__(self, layout: PassLayout, block: torch.Tensor, hidden: torch.Tensor) -> None:
+    def __init__(self, layout: PassLayout, block: torch.Tensor, hidden: torch.Tensor, sparse: bool) -> None:
         self.layout = layout
+        self.sparse = sparse  # the variant with sparse decode attention's rows
         self.block = block
         self.hidden = hidden
         self.out: torch.Tensor | None = None
@@ -70,19 +76,26 @@ class LoopGraphs:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         pick = packed_splits if batches.residual else choose_splits  # residual passes read packed
         self.splits = {b: pick(b, num_kv_heads, max_context, sms) for b in self.buckets}
-        self.graphs: dict[int, _Graph] = {}
+        self.max_context = max_context
+        # Per (bucket, whether the pass has sparse decode rows): passes without them (loop 1,
+        # prompts) skip that work, which a graph would otherwise launch over padding.
+        # With INT4 residuals the sparse rows' keys are gathered per row (`gathered_reader`), a
+        # transient no graph could hold at the longest context: those passes run eager.
+        self.variants = (False, True) if batches.sparse_decode and not batches.residual else (False,)
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
         self._hidden_size, self._dtype, self._adaptive_exit = hidden_size, dtype, adaptive_exit
         self.replays = 0  # passes run through a graph (tests count them)
+        self.sparse_replays = 0  # ... of them, with sparse decode attention's rows
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool; logs time and memory."""
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for b in sorted(self.buckets, reverse=True):
+        for b, sparse in [(b, sparse) for b in sorted(self.buckets, reverse=True) for sparse in self.variants]:
             layout = self.batches.graph_layout(b, self._adaptive_exit)
             g = _Graph(layout, self.batches.pad_block(layout),
-                       torch.zeros(b, self._hidden_size, dtype=self._dtype, device=self.device))
+                       torch.zeros(b, self._hidden_size, dtype=self._dtype, device=self.device), sparse)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -91,22 +104,26 @@ class LoopGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             with torch.cuda.graph(g.graph, pool=pool):
                 g.out = self._body(g)
-            self.graphs[b] = g
+            self.graphs[b, sparse] = g
         torch.cuda.synchronize(self.device)
-        log.info("captured %d CUDA graphs of a loop pass (buckets %s rows) in %.2f s, %.0f MiB of graph memory",
-                 len(self.graphs), ",".join(map(str, sorted(self.graphs))), time.perf_counter() - start,
+        log.info("captured %d CUDA graphs of a loop pass (buckets %s rows%s) in %.2f s, %.0f MiB of graph memory",
+                 len(self.graphs), ",".join(map(str, self.buckets)),
+                 ", each with and without sparse decode rows" if len(self.variants) > 1 else "",
+                 time.perf_counter() - start,
                  (torch.cuda.memory_reserved(self.device) - before) / 2**20)
 
     def _body(self, g: _Graph) -> torch.Tensor:
         b = g.layout.bucket
         lp = pass_view(g.layout, g.block, self.tables, self.page_size, b, [], self.tile_rows, b,
-                       num_splits=self.splits[b], residual=self.batches.graph_residual(b))
+                       num_splits=self.splits[b], residual=self.batches.graph_residual(b),
+                       correction_tiles=b if g.layout.sparse else None, sparse_roles=g.sparse,
+                       max_context=self.max_context)
         return self.run_pass(lp, g.hidden)
 
     def fits(self, lp: LoopPass) -> bool:
         """A pass replays when its rows fill a captured bucket and its tiles are the small ones
         (the builder gave such a pass the graph's layout: `ForwardBatchBuilder.graphed`)."""
-        return lp.bucket in self.graphs and lp.tile_rows == self.tile_rows
+        return (lp.bucket, lp.sparse is not None) in self.graphs and lp.tile_rows == self.tile_rows
 
     def load_tables(self, tables: torch.Tensor) -> None:
         """The call's page tables into the graphs' table buffer (once per call)."""
@@ -116,9 +133,10 @@ class LoopGraphs:
         """Run pass `lp` through its bucket's graph; returns a view of the graph's output
         (valid until the next replay of that bucket: stream order protects readers enqueued
         before it)."""
-        g = self.graphs[lp.bucket]
+        g = self.graphs[lp.bucket, lp.sparse is not None]
         g.block.copy_(lp.block)
         g.hidden[: lp.num_rows].copy_(hidden)
         g.graph.replay()
         self.replays += 1
+        self.sparse_replays += g.sparse
         return g.out[: lp.num_rows]

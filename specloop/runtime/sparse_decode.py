@@ -2,11 +2,13 @@
 kept in their token slots, and the attention step that writes and reads it.
 
 A generated token's row (position at or past its request's prompt, `RowGroup.decode_from`)
-is a *source* at loop 2 (depth 1): it attends to every causal key as usual and also keeps,
-per layer and query head, the top-b keys of its probabilities, their mass m, C_ref and the
-full output O_ref (`specloop.kernels.sparse_decode`). At loops 3 and 4 (depths >= 2) the
+is a *source* at loop 2 (depth 1): its dense attention is its output and O_ref, and the
+source step keeps, per layer and query head, the top-b keys of its probabilities, their
+mass m and C_ref (`specloop.kernels.sparse_decode`). At loops 3 and 4 (depths >= 2) the
 same token's row is a *correction*: it attends to its kept keys of that depth alone and
-outputs O_ref - C_ref + m * sum p V. Prompt rows stay dense.
+outputs O_ref - C_ref + m * sum p V. Prompt rows stay dense. With the Triton backend the
+correction rows are left out of the dense launch (`LoopPass.correction_tiles`), so a
+correction costs b keys instead of the whole context.
 
 The state lives in the token's slot (`DecodeReferences`, indexed by token slot: generated
 tokens take their slots from the decode sub-pool of `TokenSlotPool`, the only slots with
@@ -16,16 +18,19 @@ pipeline's survivors (nothing is copied: slots travel with the tokens in the pla
 rejected token's slot is retired with it. `enter` marks a slot's state missing when a new
 token takes the slot; a source write marks it present. A correction row whose state is
 missing (which the scheduler's ordering never produces: a token's loop 2 always runs
-before its loop 3) takes the dense output computed for it and is counted in `fallbacks`,
-never consuming another token's state.
+before its loop 3) gets its dense output (the torch backend computed it for every row; the
+Triton backend runs the tiles of such rows dense, `fallback`) and is counted in
+`fallbacks`, never consuming another token's state.
+
+Under CUDA graphs a pass with generated-token rows replays a graph of its own, which runs
+both steps over every row of its bucket; the pass block's roles column says which rows
+play which part (`SparseRows.source_ok` / `correction_ok`), padding rows play none and
+write nothing, and the scores scratch has a fixed address.
 
 With INT4 residual planes the source and correction read each key as the row reads it
 (exact from the BF16 tail or reconstructed from the packed planes, by the read rule),
-through a per-layer gather of the rows' keys (`gathered_reader`): correct, not fast.
-
-Not done yet: the dense attention still runs for every row, sparse ones included, before
-their outputs are replaced (correct, not yet faster); CUDA graphs are refused at start-up
-with a capability error.
+through a per-layer gather of the rows' keys (`gathered_reader`): correct, not fast, and
+eager only (a graph could not hold the gather at the longest context).
 """
 
 from __future__ import annotations
@@ -35,52 +40,94 @@ from collections.abc import Callable
 
 import torch
 
-from specloop.kernels.sparse_decode import DecodeSource, decode_correction, decode_source, key_budget
+from specloop.kernels.sparse_decode import SlotState, decode_correction, decode_source, key_budget
+
+SCRATCH_BYTES = 256 * 2**20  # the loop-2 scores scratch: sources run in chunks of the rows it holds
 
 
 @dataclasses.dataclass
 class SparseRows:
     """A loop pass's generated-token rows: `source` (depth 1) and `correction` (depth >= 2)
-    batch rows, [Ns] and [Nc] long on the device."""
+    batch rows, [Ns] and [Nc] long on the device. A CUDA graph lists every row of its
+    bucket in both and says which rows play each part in `source_ok` / `correction_ok`
+    ([b] bool, from the pass block: values, never constants of the graph)."""
 
     source: torch.Tensor
     correction: torch.Tensor
+    source_ok: torch.Tensor | None = None
+    correction_ok: torch.Tensor | None = None
 
 
 class DecodeReferences:
-    """Reference state of the decode slots [0, num_slots): per slot, layer and query head the
-    kept keys (int32, rank order, -1 past the count), the count (per slot: it depends on
-    the position alone), m, O_ref and C_ref (fp32; fp64 for an fp64 model), and whether
-    the slot's state was written for its current token (`present`, per layer)."""
+    """Reference state of the decode slots [0, num_slots), layer-major so that one layer's
+    state is a contiguous `SlotState`: per layer, slot and query head the kept keys (int32,
+    ascending positions; entries past the count are never read), m, O_ref and C_ref (fp32;
+    fp64 for an fp64 model), the count per slot (it depends on the position alone), and
+    whether the slot's state was written for its current token (`present` [slot, layer]).
+    Also the loop-2 scores scratch of the Triton kernels, [rows, Hq, max_context] fp32
+    bounded by SCRATCH_BYTES, at a fixed address (CUDA graphs read it)."""
 
     def __init__(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
-                 key_retention: float, dtype: torch.dtype, device: torch.device) -> None:
+                 key_retention: float, dtype: torch.dtype, device: torch.device, max_rows: int = 1) -> None:
         self.num_slots = num_slots
         self.key_retention = key_retention
         self.max_context = max_context
         self.capacity = key_budget(max_context, key_retention)
         acc = torch.promote_types(dtype, torch.float32)
-        self.keys = torch.full((num_slots, num_layers, num_heads, self.capacity), -1, dtype=torch.int32,
+        self.keys = torch.full((num_layers, num_slots, num_heads, self.capacity), -1, dtype=torch.int32,
                                device=device)
         self.count = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.mass = torch.zeros(num_slots, num_layers, num_heads, dtype=acc, device=device)
-        self.o_ref = torch.zeros(num_slots, num_layers, num_heads, head_dim, dtype=acc, device=device)
+        self.mass = torch.zeros(num_layers, num_slots, num_heads, dtype=acc, device=device)
+        self.o_ref = torch.zeros(num_layers, num_slots, num_heads, head_dim, dtype=acc, device=device)
         self.c_ref = torch.zeros_like(self.o_ref)
-        # One row past the decode slots: the sink `enter` sends other slots to (no mask, no sync).
+        # One row past the decode slots: the sink other slots go to (no mask, no sync).
         self.present = torch.zeros(num_slots + 1, num_layers, dtype=torch.bool, device=device)
         self.fallbacks = torch.zeros((), dtype=torch.long, device=device)  # correction rows served dense
         # Its host copy, refreshed behind each call's work (`publish`): stats never wait on the device.
         self.fallbacks_host = torch.zeros((), dtype=torch.long, pin_memory=device.type == "cuda")
-        self.nbytes_held = sum(t.numel() * t.element_size()
-                               for t in (self.keys, self.count, self.mass, self.o_ref, self.c_ref, self.present))
+        self.scratch = torch.empty(self.scratch_rows(num_heads, max_context, max_rows) * num_heads * max_context,
+                                   dtype=torch.float32, device=device)
+        self.nbytes_held = sum(t.numel() * t.element_size() for t in (
+            self.keys, self.count, self.mass, self.o_ref, self.c_ref, self.present, self.scratch))
 
     @staticmethod
-    def nbytes(num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
-               key_retention: float, dtype: torch.dtype) -> int:
-        """Device bytes of the state for `num_slots` slots (what the KV budget leaves room for)."""
+    def scratch_rows(num_heads: int, max_context: int, max_rows: int) -> int:
+        """Rows of the scores scratch at the longest context: what SCRATCH_BYTES holds, at
+        most `max_rows` (a pass's), at least one."""
+        return max(1, min(max_rows, SCRATCH_BYTES // (num_heads * max_context * 4)))
+
+    @classmethod
+    def nbytes(cls, num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
+               key_retention: float, dtype: torch.dtype, max_rows: int = 1) -> int:
+        """Device bytes of the state for `num_slots` slots and of the scratch (what the KV
+        budget leaves room for)."""
         acc = torch.promote_types(dtype, torch.float32).itemsize
         per_head = key_budget(max_context, key_retention) * 4 + acc * (1 + 2 * head_dim)
-        return num_slots * (num_layers * (num_heads * per_head + 1) + 4) + num_layers  # + the sink row
+        scratch = cls.scratch_rows(num_heads, max_context, max_rows) * num_heads * max_context * 4
+        return num_slots * (num_layers * num_heads * per_head + num_layers + 4) + num_layers + scratch
+
+    def layer(self, layer: int) -> SlotState:
+        """One layer's state (views)."""
+        return SlotState(self.keys[layer], self.count, self.mass[layer], self.o_ref[layer], self.c_ref[layer])
+
+    def capture(self, slots: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+        """The state of `slots` on the host, slot-major (a snapshot's `references`), keys cut to
+        `width` per head."""
+        return {"keys": self.keys[:, slots, :, :width].transpose(0, 1).cpu(), "count": self.count[slots].cpu(),
+                "mass": self.mass[:, slots].transpose(0, 1).cpu(),
+                "o_ref": self.o_ref[:, slots].transpose(0, 1).cpu(),
+                "c_ref": self.c_ref[:, slots].transpose(0, 1).cpu(), "present": self.present[slots].cpu()}
+
+    def restore(self, slots: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Write `capture`'s state into `slots` (keys of any width up to the capacity)."""
+        dev = self.keys.device
+        keys = state["keys"].to(dev).transpose(0, 1)
+        self.keys[:, slots] = -1
+        self.keys[:, slots, :, : keys.shape[-1]] = keys
+        self.count[slots] = state["count"].to(dev)
+        for name in ("mass", "o_ref", "c_ref"):
+            getattr(self, name)[:, slots] = state[name].to(dev).transpose(0, 1)
+        self.present[slots] = state["present"].to(dev)
 
     def publish(self) -> None:
         """Copy the fallback count to the host behind the call's work (complete once the
@@ -90,65 +137,78 @@ class DecodeReferences:
     def enter(self, slots: torch.Tensor) -> None:
         """Tokens entering loop 1 in `slots`: a decode slot's state is missing until its
         token's loop 2 writes it (other slots hold none)."""
-        self.present.index_fill_(0, torch.where(slots < self.num_slots, slots, self.num_slots), False)
+        self.present.index_fill_(0, self._safe(slots), False)
+
+    def _safe(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots, with every slot past the decode ones sent to the sink row of `present`."""
+        return torch.where(slots < self.num_slots, slots, self.num_slots)
 
     def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, context: int,
-               exited: torch.Tensor | None = None) -> torch.Tensor:
+               exited: torch.Tensor | None = None,
+               fallback: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
-        tokens' rows replaced: sources keep their state and output O_ref, corrections output
-        the corrected attention where their state is present. Rows whose token exited
-        (`exited` [N], adaptive exit: their outputs are dropped) run neither. One layer;
-        `read` gives the keys a set of rows reads (`KeyReader`); `context` (host) bounds
-        every row's position + 1; no host sync."""
+        tokens' rows replaced: sources keep their state (their output is the dense one,
+        which is O_ref), corrections output the corrected attention where their state is
+        present. Rows whose token exited (`exited` [N], adaptive exit: their outputs are
+        dropped) run neither. One layer; `read` gives the keys a set of rows reads
+        (`KeyReader`); `context` (host) bounds every row's position + 1; `fallback(rows)`,
+        when given, computes the dense attention of rows [N] bool into `out` (a backend
+        whose dense launch left the correction rows out: it is called with those whose state
+        is missing); no host sync."""
         if rows.source.numel():
-            self._source(layer, rows.source, q, out, positions, token_slots, read, use_triton, exited,
-                         min(context, self.max_context))
+            self._source(layer, rows.source, rows.source_ok, q, out, positions, token_slots, read, use_triton,
+                         exited, min(max(context, 1), self.max_context))
         if rows.correction.numel():
-            self._correct(layer, rows.correction, q, out, positions, token_slots, read, use_triton, exited)
+            self._correct(layer, rows.correction, rows.correction_ok, q, out, positions, token_slots, read,
+                          use_triton, exited, fallback)
         return out
 
-    def _source(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None,
-                context: int) -> None:
-        """`context`: the pass's longest context (host), which sizes the selection's scratch."""
-        run = _running(r, exited)
+    def _source(self, layer: int, r: torch.Tensor, ok: torch.Tensor | None, q: torch.Tensor, out: torch.Tensor,
+                positions: torch.Tensor, token_slots: torch.Tensor, read: KeyReader, use_triton: bool,
+                exited: torch.Tensor | None, context: int) -> None:
+        """`context`: the pass's longest context (host), which shapes the scratch."""
+        run = _running(r, ok, exited)
         k_cache, v_cache, tables, offsets, page_size = read(r)
-        src = decode_source(q[r].contiguous(), k_cache, v_cache, tables, torch.where(run, positions[r], -1), offsets,
-                            page_size, self.key_retention, self.capacity, max_context=context,
-                            out=out[r].contiguous(), use_triton=use_triton)
         slots = token_slots[r]
-        self.keys[slots, layer] = src.keys
-        if layer == 0:  # the count depends on the position alone
-            self.count[slots] = src.count
-        self.mass[slots, layer] = src.mass.to(self.mass.dtype)
-        self.o_ref[slots, layer] = src.o_ref.to(self.o_ref.dtype)
-        self.c_ref[slots, layer] = src.c_ref.to(self.c_ref.dtype)
-        self.present[slots, layer] = run
-        out[r] = src.out
+        decode_source(q[r].contiguous(), k_cache, v_cache, tables, torch.where(run, positions[r], -1), offsets,
+                      page_size, self.key_retention, dense=out[r].contiguous(), slots=slots,
+                      state=self.layer(layer), max_context=context, scratch=self._scratch(context),
+                      use_triton=use_triton)
+        safe = self._safe(slots)
+        # rows not playing the part (a graph's) leave their slot alone: the sink takes their write
+        self.present[safe if ok is None else torch.where(ok, safe, self.num_slots), layer] = run
 
-    def _correct(self, layer: int, r: torch.Tensor, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
+    def _scratch(self, context: int) -> torch.Tensor:
+        """The scratch as [rows, Hq, context]: as many rows as fit at this context."""
+        heads = self.keys.shape[2]
+        rows = self.scratch.numel() // (heads * context)
+        return self.scratch[: rows * heads * context].view(rows, heads, context)
+
+    def _correct(self, layer: int, r: torch.Tensor, ok: torch.Tensor | None, q: torch.Tensor, out: torch.Tensor,
+                 positions: torch.Tensor, token_slots: torch.Tensor, read: KeyReader, use_triton: bool,
+                 exited: torch.Tensor | None, fallback: Callable[[torch.Tensor], None] | None) -> None:
         slots = token_slots[r]
-        run = _running(r, exited)
-        present = self.present[slots, layer]
-        count = torch.where(present, self.count[slots], 0)  # a missing state is never read
-        dense = out[r]  # kept where no correction runs
-        source = DecodeSource(self.keys[slots, layer], count, self.mass[slots, layer], self.o_ref[slots, layer],
-                              self.c_ref[slots, layer], dense)
-        at = torch.where(present & run, positions[r], -1).contiguous()
+        run = _running(r, ok, exited)
+        present = self.present[self._safe(slots), layer]  # a missing state is never read
+        if fallback is not None:  # the dense output of rows whose state is missing
+            need = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+            need[r] = ~present & run
+            fallback(need)
+        at = torch.where(present & run, positions[r], -1)
         k_cache, v_cache, tables, offsets, page_size = read(r)
-        out[r] = decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, source,
-                                   out=dense, use_triton=use_triton)
+        corrected = out[r]  # dense where no correction runs
+        decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
+                          state=self.layer(layer), out=corrected, use_triton=use_triton)
+        out[r] = corrected
         if layer == 0:
             self.fallbacks += (~present & run).sum()
 
 
-def _running(r: torch.Tensor, exited: torch.Tensor | None) -> torch.Tensor:
-    """[n] bool: rows r whose token has not exited."""
-    if exited is None:
-        return torch.ones(r.shape, dtype=torch.bool, device=r.device)
-    return ~exited[r]
+def _running(r: torch.Tensor, ok: torch.Tensor | None, exited: torch.Tensor | None) -> torch.Tensor:
+    """[n] bool: rows r that play the part (`ok`) and whose token has not exited."""
+    run = torch.ones(r.shape, dtype=torch.bool, device=r.device) if ok is None else ok
+    return run if exited is None else run & ~exited[r]
 
 
 KeyReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]

@@ -1,0 +1,149 @@
+"""FlashLoop's decode speed and memory in the engine: dense against each lazy update and all on.
+
+Usage (device machine; a random checkpoint is written first):
+    python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b
+    python bench/flashloop_speed.py --model /tmp/ouro14 --out bench/results/flashloop_speed_h200.json
+CPU smoke run (its numbers mean nothing):
+    python -m specloop.cli random-checkpoint /tmp/tiny --preset tiny
+    python bench/flashloop_speed.py --model /tmp/tiny --device cpu --cases 1x200,3x100 --decode-tokens 4 \\
+        --kv-bytes 40000000 --variants dense,sparse-decode --out /tmp/flashloop_speed_cpu.json
+
+Variants (--variants): `dense` (every update off), `prefill` (token-sparse prefill at its
+defaults), `sparse-decode` (sparse decode attention at key_retention 0.10), `int4` (INT4
+cross-loop KV residuals, tail --tail) and `all` (the three on). Each runs with speculation
+off and, per --speculation, on (e.g. `block` = block rounds with draft depth --draft-loops
+and k=4, or `pipeline`). Every engine gets the same options otherwise: CUDA graphs (or,
+with --eager, none), max_num_seqs, max_num_batched_tokens, a KV pool of --kv-bytes.
+
+Cases (--cases, `RxL`): R requests of L random prompt tokens submitted at once, each
+decoding --decode-tokens tokens (greedy, ignore EOS), after a short warm-up request. It
+reports decode throughput (generated tokens after each request's first, over the time from
+the last first token to the end: the decode phase), the time to the last first token, the
+most requests running at once and preemptions (a pool that cannot hold R x L tokens runs
+them in waves), the peak CUDA memory over the case and the engine's resident memory, and
+with speculation the mean accepted tokens per round. With a random checkpoint the draft
+rarely agrees with the verifier, so speculation's speed here is its cost at near-zero
+acceptance, not its gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specloop.checkpoint import load_model, load_tokenizer
+from specloop.engine.config import EngineConfig
+from specloop.engine.core import EngineCore
+
+from kv_residual import _free, _prompt, log, run  # noqa: E402 -- bench/ is the script's folder
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dense": {},
+    "prefill": {"token_sparse_prefill": {}},
+    "sparse-decode": {"sparse_decode_attention": {"enabled": True}},
+    "int4": {"kv_residual_quantization": {}},
+    "all": {"token_sparse_prefill": {}, "sparse_decode_attention": {"enabled": True}, "kv_residual_quantization": {}},
+}
+
+
+def _cases(text: str) -> list[tuple[int, int]]:
+    return [(int(r), int(n)) for r, n in (c.split("x") for c in text.split(",") if c.strip())]
+
+
+def engine_for(args: argparse.Namespace, model: Any, tokenizer: Any, options: dict[str, Any]) -> EngineCore:
+    opts = dict(options)
+    if "kv_residual_quantization" in opts:
+        opts["kv_residual_quantization"] = {"tail": args.tail}
+    cfg = EngineConfig.from_kwargs(
+        args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_bytes, enforce_eager=args.eager, **opts)
+    return EngineCore(cfg, model=model, tokenizer=tokenizer)
+
+
+def case(args: argparse.Namespace, engine: EngineCore, count: int, length: int, cuda: bool) -> dict[str, Any]:
+    vocab = engine.model.config.vocab_size
+    run(engine, {"warm": _prompt(min(length, 256), vocab, 7)}, 4, cuda)  # compile, warm
+    resident = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    m = engine.metrics
+    before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
+    r = run(engine, {f"d{i}": _prompt(length, vocab, 200 + i) for i in range(count)}, args.decode_tokens, cuda)
+    t0, t1 = max(r["first"].values()), max(r["done"].values())
+    generated = sum(n - 1 for n in r["tokens"].values())
+    out = {"requests": count, "prompt": length, "decode_tokens": args.decode_tokens,
+           "decode_tok_s": generated / (t1 - t0) if t1 > t0 else float("nan"), "decode_s": t1 - t0,
+           "ttft_last_s": t0, "most_running": r["most_running"], "preemptions": r["preemptions"],
+           "peak_over_resident_gib": ((torch.cuda.max_memory_allocated() if cuda else 0) - resident) / 2**30,
+           "resident_gib": resident / 2**30}
+    stats = engine.stats()
+    out["sparse_decode_fallbacks"] = stats.sparse_decode_fallbacks
+    if engine.config.speculation != "none":
+        rounds, drafted, accepted = (now - was for now, was in zip(
+            (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens), before))
+        out["speculation"] = {"rounds": rounds, "acceptance_rate": accepted / drafted if drafted else 0.0,
+                              "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--speculation", default="none,block", help="comma-separated: none, block, pipeline")
+    p.add_argument("--draft-loops", type=int, default=2)
+    p.add_argument("--cases", type=_cases, default=_cases("1x8192,1x32768,32x8192,128x8192"))
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--tail", type=int, default=64)
+    p.add_argument("--kv-bytes", type=int, default=100 << 30)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--eager", action="store_true", help="every engine without CUDA graphs")
+    args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    cuda = args.device == "cuda"
+    t0 = time.perf_counter()
+    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    model.fuse_projections()
+    tokenizer = load_tokenizer(args.model)
+    record: dict[str, Any] = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if cuda else "cpu",
+                              "torch": torch.__version__, "model": args.model, "dtype": args.dtype,
+                              "args": vars(args), "results": {}}
+    for spec in args.speculation.split(","):
+        for name in args.variants.split(","):
+            key = f"{name}/{spec}"
+            options = dict(VARIANTS[name])
+            if spec != "none":
+                options.update(speculation=spec, draft_loops=args.draft_loops)
+            log(f"{key}:")
+            started = time.perf_counter()
+            engine = engine_for(args, model, tokenizer, options)
+            res: dict[str, Any] = {"options": options, "engine_start_s": time.perf_counter() - started, "cases": []}
+            record["results"][key] = res
+            for count, length in args.cases:
+                c = case(args, engine, count, length, cuda)
+                res["cases"].append(c)
+                log(f"  {count} x {length}: {c['decode_tok_s']:.1f} tok/s, last first token at {c['ttft_last_s']:.1f} s, "
+                    f"{c['most_running']} running at most, {c['preemptions']} preemptions, peak +"
+                    f"{c['peak_over_resident_gib']:.2f} GiB")
+                Path(args.out).write_text(json.dumps(record, indent=1, default=str))  # a cut-short run keeps it
+            del engine
+            _free(cuda)
+    record["wall_s"] = time.perf_counter() - t0
+    Path(args.out).write_text(json.dumps(record, indent=1, default=str))
+    log(f"wrote {args.out} in {record['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
