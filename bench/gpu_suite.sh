@@ -81,6 +81,7 @@ if [ "$PART" = flashloop-speed ]; then  # bench/flashloop_speed.py: SPEC (none,b
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
   TAIL=60 step 560 python bench/flashloop_speed.py --model /tmp/ouro14 --speculation "${SPEC:-none}" \
     --variants "${VARIANTS:-dense,prefill,sparse-decode,int4,all}" --cases "${CASES:-1x8192,1x32768,32x8192}" \
+    --max-model-len 33024 \
     --out "$OUT/flashloop_speed_${SPEC:-none}_h200.json"
   exit 0
 fi

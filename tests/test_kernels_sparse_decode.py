@@ -268,10 +268,10 @@ def _tie_case(dtype: torch.dtype) -> Case:
 
 
 @pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks()),
-                                           (torch.bfloat16, dataclasses.replace(SMALL, select=16))])
+                                           (torch.bfloat16, dataclasses.replace(SMALL, select=32))])
 def test_ties_go_to_the_lower_position(dtype, blocks):
-    """With 16-key select blocks row 0's ties run over three blocks, the last kept one in
-    the middle block, and its top key comes after them all."""
+    """With 32-key select blocks (the smallest allowed) row 0's ties run over two blocks,
+    the last kept one in the first, and its top key comes after them all."""
     case = _tie_case(dtype)
     want_keys = [[5, 12, 20, 24, 45], [0, 10]]
     assert not _well_separated(case, 0.1)  # the random cases' gap guard rejects ties
@@ -387,8 +387,10 @@ def test_a_slot_with_count_0_is_not_corrected(use_triton):
 
 
 def test_chunks_of_a_small_scratch_give_the_same_state():
-    """A 3-row scratch (chunks of 3, 3 and 2 rows) and a wider 1-row one give, bit for bit,
-    the state of one scratch holding every row."""
+    """A 3-row scratch (chunks of 3, 3 and 2 rows) gives, bit for bit, the state of one
+    scratch holding every row; a wider 1-row one the same kept keys and counts, and m and
+    C_ref within 1e-6 (on the H200 a row stride of another alignment changes the reduction
+    order of the select kernel's sums: 1 ulp seen)."""
     case = _case(12, PADDED)
     states = []
     for scratch in (torch.empty(len(PADDED), 4, MAX_CONTEXT), torch.empty(3, 4, MAX_CONTEXT),
@@ -397,9 +399,12 @@ def test_chunks_of_a_small_scratch_give_the_same_state():
         source_triton(*case.source_args(), 0.1, dense=case.dense, slots=case.slots, state=state,
                       max_context=MAX_CONTEXT, scratch=scratch.to(DEVICE))
         states.append(state)
-    for state in states[1:]:
-        for name in SLOT_FIELDS:
-            assert torch.equal(getattr(state, name), getattr(states[0], name)), name
+    for name in SLOT_FIELDS:
+        assert torch.equal(getattr(states[1], name), getattr(states[0], name)), name
+        if name in ("mass", "c_ref"):
+            torch.testing.assert_close(getattr(states[2], name), getattr(states[0], name), atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(getattr(states[2], name), getattr(states[0], name)), name
     assert scratch_rows(4, MAX_CONTEXT, 3 * 4 * MAX_CONTEXT * 4 + 5) == 3 and scratch_rows(4, MAX_CONTEXT, 0) == 1
 
 

@@ -165,7 +165,7 @@ class Blocks:
     head) of the scores kernel, None for `score_splits`."""
 
     scores: int = 64  # keys per block of the scores kernel (>= 16: tl.dot)
-    select: int = 2048  # keys per block of the select kernel's passes (<= 32768)
+    select: int = 2048  # keys per block of the select kernel's passes (32..32768)
     gather: int = 64  # kept keys per block of the select kernel's V gather
     correction: int = 32  # kept keys per block of the correction kernel
     radix_bits: int = 8  # digit of the radix select: 8 bits is 4 counting passes, 10 or 11 bits 3
@@ -608,7 +608,9 @@ def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     capacity = state.keys.shape[2]
     check_capacity(max_context, key_retention, capacity)
     assert dense.shape == q.shape and dense.dtype == q.dtype and dense.stride(2) == 1, "dense: [N, Hq, D] in q's dtype"
-    assert 16 <= blocks.scores and blocks.select <= 1 << 15, "scores blocks feed tl.dot; select blocks count in 16 bits"
+    assert 16 <= blocks.scores and 32 <= blocks.select <= 1 << 15, (
+        "scores blocks feed tl.dot; select blocks count in 16 bits and hold at least a warp's 32 keys (Triton "
+        "3.6 on the H200 miscounted 16-key blocks)")
     if n == 0:
         return
     if scratch is None:
