@@ -207,7 +207,31 @@ def test_triton_kernels_under_the_interpreter(tiny_ckpt, mode, monkeypatch):
     _check(tiny_ckpt, got, prompts, kv_tail=tail)
 
 
-def test_stats_report_the_group_and_its_state(tiny_ckpt):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter needs TRITON_INTERPRET before triton "
+                    "loads; the GPU suite runs the compiled kernels")
+def test_triton_fallback_runs_missing_rows_dense(tiny_ckpt, monkeypatch):
+    """With every reference state dropped right after its source wrote it, each correction
+    row of the Triton backend (left out of the dense launch) runs its tile dense through
+    the fallback: the tokens and logprobs are dense decoding's, and every one is counted."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    write = DecodeReferences._source
+
+    def forget(self, layer, *args, **kwargs):
+        write(self, layer, *args, **kwargs)
+        self.present[:, layer] = False
+    monkeypatch.setattr(DecodeReferences, "_source", forget)
+    engine = _engine(tiny_ckpt, attention_backend="triton")
+    got = run_all(engine, PROMPTS[:2], GREEDY)
+    assert int(engine.executor.runner.slots.references.fallbacks) > 0
+    for i, prompt in enumerate(PROMPTS[:2]):
+        tokens, logprobs = got[f"r{i}"]
+        want = reference_logprobs(tiny_ckpt, prompt, tokens, _features(sparse_decode=False))
+        assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
+        picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-5, rtol=1e-5)
+
+
+def test_stats_report_the_group_and_its_state(tiny_ckpt, monkeypatch):
     """The reference state's bytes (as `DecodeReferences.nbytes` budgets them), the group and
     the fallback count reach `stats()`; `/metrics` exports them (test_server)."""
     engine = _engine(tiny_ckpt)
@@ -218,7 +242,13 @@ def test_stats_report_the_group_and_its_state(tiny_ckpt):
     assert stats.sparse_decode_fallbacks == 0
     assert stats.sparse_decode_reference_bytes == refs.nbytes_held == DecodeReferences.nbytes(
         refs.num_slots, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, engine.max_model_len,
-        RETENTION, torch.float32, engine.config.max_num_batched_tokens) > 0
+        RETENTION, torch.float32) > 0  # the torch backend: no scratch
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (constructed only, for the scratch's bytes)
+    triton = _engine(tiny_ckpt, attention_backend="triton")
+    tr = triton.executor.runner.slots.references
+    assert tr.nbytes_held == triton.stats().sparse_decode_reference_bytes == DecodeReferences.nbytes(
+        tr.num_slots, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, triton.max_model_len,
+        RETENTION, torch.float32, triton.config.max_num_batched_tokens) > refs.nbytes_held
     assert refs.num_slots == engine.scheduler.token_slots.decode_size == engine.config.max_num_seqs * 3
     assert _engine(tiny_ckpt, sparse_decode_attention=None).stats().sparse_decode_reference_bytes == 0
 
@@ -379,12 +409,13 @@ def test_a_graphs_roles_give_what_row_lists_give():
     positions = torch.tensor([9, 12, 10, 11, 0])
     slots = torch.tensor([0, 1, 2, 3, 99])
     q, dense = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    q_before, dense_before = torch.randn(5, 2, 8), torch.randn(5, 2, 8)  # a source pass over them would show
     eager, read = _roles_setup()
     graph, _ = _roles_setup()
-    for refs in (eager, graph):  # rows 2 and 3 ran loop 2 earlier
+    for refs in (eager, graph):  # rows 2 and 3 ran loop 2 earlier, with other queries
         for layer in range(2):
-            refs.attend(layer, SparseRows(torch.tensor([2, 3]), torch.zeros(0, dtype=torch.long)), q, dense.clone(),
-                        positions, slots, read, False, 16)
+            refs.attend(layer, SparseRows(torch.tensor([2, 3]), torch.zeros(0, dtype=torch.long)), q_before,
+                        dense_before.clone(), positions, slots, read, False, 16)
     every = torch.arange(5)
     roles = torch.tensor([1, 1, 2, 2, 0])
     for layer in range(2):

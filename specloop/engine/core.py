@@ -137,12 +137,15 @@ class EngineCore:
         num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
         speculation = _speculation(config, mcfg.num_loops)
         decode_slots = self._decode_slots(speculation)
+        # the Triton kernels' scores scratch, sized by a pass's rows (the torch references need none)
+        triton = config.attention_backend == "triton" or (config.attention_backend == "auto" and device.type == "cuda")
+        scratch_rows = rows if triton else 0
         reference_bytes = 0
         if decode_slots:
             reference_bytes = DecodeReferences.nbytes(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
                                                       mcfg.head_dim, self.max_model_len,
                                                       config.sparse_decode_attention.key_retention, self.model.dtype,
-                                                      rows)
+                                                      scratch_rows)
         num_pages = self._num_pages(page_bytes, device, reference_bytes)
         heads: dict[type, Any] = {}
         if speculation is not None:
@@ -176,7 +179,7 @@ class EngineCore:
             references = DecodeReferences(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
                                           mcfg.head_dim, self.max_model_len,
                                           config.sparse_decode_attention.key_retention, self.model.dtype, device,
-                                          rows)
+                                          scratch_rows)
         self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
                                     mcfg.num_key_value_heads, residuals, references)
         graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager

@@ -257,7 +257,8 @@ class TritonAttention:
         res = meta.residual
         # Sparse decode correction rows are not in the tiles: zeros until corrected (or run
         # dense, a missing state's fallback), never uninitialised memory (exited rows keep them).
-        corrects = meta.sparse is not None and meta.sparse.correction_tiles is not None
+        corrects = (meta.sparse is not None and meta.sparse.correction_tiles is not None
+                    and meta.sparse.correction_tiles.shape[0] > 0)  # (a graph's: its bucket's, always)
         out = torch.zeros_like(q) if corrects else None
         if res is not None:  # encode the pass's ready groups, then read each key exact or packed
             store = self.residuals

@@ -39,6 +39,7 @@ lists) travel beside the device views as plain Python, for shapes and Python fla
 from __future__ import annotations
 
 import array
+import bisect
 import dataclasses
 import functools
 from typing import Any
@@ -627,10 +628,10 @@ class ForwardBatchBuilder:
             return [], 0, []
         small, large = self.tile_rows
         size = small if max((s.rows for s in shapes), default=0) <= small else large
-        corrected = set(corrections)
         dense, sparse = [], []
-        for s in shapes:
-            c = sum(1 for row in range(s.first, s.first + s.rows) if row in corrected) if corrected else 0
+        for s in shapes:  # corrections ascend, a tail of each group's rows (`_sparse_rows`)
+            c = bisect.bisect_left(corrections, s.first + s.rows) - bisect.bisect_left(corrections, s.first)
+            assert c == 0 or corrections[bisect.bisect_left(corrections, s.first)] == s.first + s.rows - c
             dense.append((s.first, s.rows - c, s.table))
             sparse.append((s.first + s.rows - c, c, s.table))
         return query_tiles(dense, size), size, query_tiles(sparse, size)

@@ -65,10 +65,11 @@ class DecodeReferences:
     fp64 for an fp64 model), the count per slot (it depends on the position alone), and
     whether the slot's state was written for its current token (`present` [slot, layer]).
     Also the loop-2 scores scratch of the Triton kernels, [rows, Hq, max_context] fp32
-    bounded by SCRATCH_BYTES, at a fixed address (CUDA graphs read it)."""
+    bounded by SCRATCH_BYTES, at a fixed address (CUDA graphs read it); `max_rows` 0 (the
+    torch backend, whose references need none): no scratch."""
 
     def __init__(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
-                 key_retention: float, dtype: torch.dtype, device: torch.device, max_rows: int = 1) -> None:
+                 key_retention: float, dtype: torch.dtype, device: torch.device, max_rows: int = 0) -> None:
         self.num_slots = num_slots
         self.key_retention = key_retention
         self.max_context = max_context
@@ -93,12 +94,12 @@ class DecodeReferences:
     @staticmethod
     def scratch_rows(num_heads: int, max_context: int, max_rows: int) -> int:
         """Rows of the scores scratch at the longest context: what SCRATCH_BYTES holds, at
-        most `max_rows` (a pass's), at least one."""
-        return max(1, min(max_rows, SCRATCH_BYTES // (num_heads * max_context * 4)))
+        most `max_rows` (a pass's), at least one (none for `max_rows` 0)."""
+        return min(max_rows, max(1, SCRATCH_BYTES // (num_heads * max_context * 4)))
 
     @classmethod
     def nbytes(cls, num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
-               key_retention: float, dtype: torch.dtype, max_rows: int = 1) -> int:
+               key_retention: float, dtype: torch.dtype, max_rows: int = 0) -> int:
         """Device bytes of the state for `num_slots` slots and of the scratch (what the KV
         budget leaves room for)."""
         acc = torch.promote_types(dtype, torch.float32).itemsize
@@ -179,8 +180,11 @@ class DecodeReferences:
         # rows not playing the part (a graph's) leave their slot alone: the sink takes their write
         self.present[safe if ok is None else torch.where(ok, safe, self.num_slots), layer] = run
 
-    def _scratch(self, context: int) -> torch.Tensor:
-        """The scratch as [rows, Hq, context]: as many rows as fit at this context."""
+    def _scratch(self, context: int) -> torch.Tensor | None:
+        """The scratch as [rows, Hq, context]: as many rows as fit at this context (None
+        without one)."""
+        if self.scratch.numel() == 0:
+            return None
         heads = self.keys.shape[2]
         rows = self.scratch.numel() // (heads * context)
         return self.scratch[: rows * heads * context].view(rows, heads, context)
