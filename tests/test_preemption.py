@@ -20,7 +20,7 @@ from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.request import Status
-from tests.engine_runs import MODES, Outputs, assert_same
+from tests.engine_runs import MODES, Outputs, assert_same, step_into
 
 PROMPTS = [list(range(3, 17)), [5, 9, 2], list(range(40, 12, -1)), [7] * 9, list(range(60, 70))]
 # Short prompts, long outputs: all admitted at first, then they outgrow the pool together.
@@ -74,11 +74,7 @@ def _run(engine: EngineCore, prompts: list[list[int]], force: dict[int, int] | N
         victim = engine.requests.get(f"r{(force or {}).get(step, -1)}")
         if victim is not None and victim.status is Status.RUNNING:
             engine.scheduler.preempt(victim)
-        for o in engine.step():
-            assert o.error is None, o.error
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
+        step_into(engine, out)
         step += 1
         assert step < 5000, "no progress"
     sched = engine.scheduler

@@ -29,7 +29,7 @@ from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from tests.conftest import weights_of
-from tests.engine_runs import forbid_syncs, run_all
+from tests.engine_runs import forbid_syncs, run_all, step_into
 
 MAX_TOKENS = 5
 _g = torch.Generator().manual_seed(0)
@@ -201,11 +201,7 @@ def test_preemption_resumes_exactly(tiny_ckpt, refs, policy):
         split = [r for r in running if r.window_rows]
         if split or (running and step % 4 == 1):
             engine.scheduler.preempt((split or running)[0])
-        for o in engine.step():
-            assert o.error is None, o.error
-            tokens, logprobs = out.setdefault(o.request_id, ([], []))
-            tokens.extend(o.token_ids)
-            logprobs.extend(o.logprobs or [])
+        step_into(engine, out)
         step += 1
         assert step < 3000
     assert engine.kv.num_free_pages == engine.kv.num_pages
