@@ -16,7 +16,8 @@ and k=4, or `pipeline`). Every engine gets the same options otherwise: CUDA grap
 with --eager, none), max_num_seqs, max_num_batched_tokens, a KV pool of --kv-bytes.
 
 Cases (--cases, `RxL`): R requests of L random prompt tokens submitted at once, each
-decoding --decode-tokens tokens (greedy, ignore EOS), after a short warm-up request. It
+decoding --decode-tokens tokens (greedy, ignore EOS), after a warm-up request of
+--warmup-tokens (at most L) tokens. It
 reports decode throughput (generated tokens after each request's first, over the time from
 the last first token to the end: the decode phase), the time to the last first token, the
 most requests running at once and preemptions (a pool that cannot hold R x L tokens runs
@@ -69,7 +70,7 @@ def engine_for(args: argparse.Namespace, model: Any, tokenizer: Any, options: di
 
 def case(args: argparse.Namespace, engine: EngineCore, count: int, length: int, cuda: bool) -> dict[str, Any]:
     vocab = engine.model.config.vocab_size
-    run(engine, {"warm": _prompt(min(length, 256), vocab, 7)}, 4, cuda)  # compile, warm
+    run(engine, {"warm": _prompt(min(length, args.warmup_tokens), vocab, 7)}, 4, cuda)  # compile, warm
     resident = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -104,6 +105,10 @@ def main() -> None:
     p.add_argument("--draft-loops", type=int, default=2)
     p.add_argument("--cases", type=_cases, default=_cases("1x8192,1x32768,32x8192,128x8192"))
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--warmup-tokens", type=int, default=256,
+                   help="the warm-up prompt (at most the case's length): 256 compiles the decode path; the kernels "
+                        "of longer prompts (token-sparse prefill's windows, INT4 encoding) compile in the case's "
+                        "time to first token unless it is longer")
     p.add_argument("--tail", type=int, default=64)
     p.add_argument("--kv-bytes", type=int, default=100 << 30)
     p.add_argument("--max-num-seqs", type=int, default=128)
