@@ -38,7 +38,7 @@ from specloop.pipeline.heads import SpeculationHeads, Verifier
 from specloop.pipeline.metrics import SpeculationMetrics
 from specloop.pipeline.rounds import RoundController
 from specloop.pipeline.token_pipeline import TokenPipeline
-from specloop.runtime.attention import make_backend
+from specloop.runtime.attention import backend_name, make_backend
 from specloop.runtime.forward_batch import WINDOW_INFO, ForwardBatchBuilder
 from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
 from specloop.runtime.kv_format import PagedKV
@@ -138,8 +138,7 @@ class EngineCore:
         speculation = _speculation(config, mcfg.num_loops)
         decode_slots = self._decode_slots(speculation)
         # the Triton kernels' scores scratch, sized by a pass's rows (the torch references need none)
-        triton = config.attention_backend == "triton" or (config.attention_backend == "auto" and device.type == "cuda")
-        scratch_rows = rows if triton else 0
+        scratch_rows = rows if backend_name(config.attention_backend, device) == "triton" else 0
         reference_bytes = 0
         if decode_slots:
             reference_bytes = DecodeReferences.nbytes(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,

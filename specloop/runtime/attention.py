@@ -288,8 +288,8 @@ def _tiles_with(tiles: torch.Tensor, rows: torch.Tensor, tile_rows: int) -> torc
     """`tiles` [M, 3] with 0 rows wherever none of a tile's rows is set in `rows` [N] bool
     (a launch over them computes only the tiles that hold such a row; no host sync)."""
     span = torch.arange(tile_rows, device=tiles.device)
-    at = (tiles[:, :1] + span).clamp(max=max(rows.numel() - 1, 0))
-    hit = (rows[at] & (span < tiles[:, 1:2])).any(1) if rows.numel() else torch.zeros_like(tiles[:, 0], dtype=bool)
+    at = (tiles[:, :1] + span).clamp(max=rows.numel() - 1)  # (a pass with correction tiles has rows)
+    hit = (rows[at] & (span < tiles[:, 1:2])).any(1)
     out = tiles.clone()
     out[:, 1] = torch.where(hit, tiles[:, 1], 0)
     return out
@@ -320,15 +320,21 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
                                      use_triton, sparse.longest, sparse.exited, fallback)
 
 
-def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, num_kv_heads: int,
-                 residuals: PackedResiduals | None = None,
-                 references: DecodeReferences | None = None) -> AttentionBackend:
-    """The backend `name` asks for; "auto" picks Triton on CUDA and the torch reference on
+def backend_name(name: str, device: torch.device) -> str:
+    """The backend `name` resolves to: "auto" is Triton on CUDA and the torch reference on
     CPU (there Triton runs only under its interpreter, one program at a time)."""
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, num_kv_heads: int,
+                 residuals: PackedResiduals | None = None,
+                 references: DecodeReferences | None = None) -> AttentionBackend:
+    """The backend `name` asks for (`backend_name`)."""
+    name = backend_name(name, device)
     if name == "torch":
         return TorchAttention(kv, residuals, references)
 

@@ -40,9 +40,9 @@ from collections.abc import Callable
 
 import torch
 
-from specloop.kernels.sparse_decode import SlotState, decode_correction, decode_source, key_budget
-
-SCRATCH_BYTES = 256 * 2**20  # the loop-2 scores scratch: sources run in chunks of the rows it holds
+from specloop.kernels.sparse_decode import (
+    SCRATCH_BYTES, SlotState, decode_correction, decode_source, key_budget, scratch_rows,
+)
 
 
 @dataclasses.dataclass
@@ -95,7 +95,7 @@ class DecodeReferences:
     def scratch_rows(num_heads: int, max_context: int, max_rows: int) -> int:
         """Rows of the scores scratch at the longest context: what SCRATCH_BYTES holds, at
         most `max_rows` (a pass's), at least one (none for `max_rows` 0)."""
-        return min(max_rows, max(1, SCRATCH_BYTES // (num_heads * max_context * 4)))
+        return min(max_rows, scratch_rows(num_heads, max_context, SCRATCH_BYTES))
 
     @classmethod
     def nbytes(cls, num_slots: int, num_layers: int, num_heads: int, head_dim: int, max_context: int,
