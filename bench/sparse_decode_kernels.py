@@ -14,12 +14,18 @@ the loop-2 source's scores kernel and select kernel alone, and the whole source
 (`decode_source`, both kernels per chunk of scratch rows); and the loop 3-4 correction
 (`decode_correction`). The scratch is the one the source allocates by default
 (`scratch_rows` under SCRATCH_BYTES), reported in bytes with its rows.
+
+Each `*_ms` is the GPU time per call inside a CUDA graph (`--graph-calls` calls captured
+in one graph, replayed, the median replay divided by the calls), as the engine runs these
+kernels; `*_eager_ms` times one eager call between events, which adds the host's launch
+latency (tens of microseconds for a Triton launch) and is what earlier results reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,6 +40,32 @@ from specloop.kernels.sparse_decode import (
 from packed_reader_sweep import time_ms  # noqa: E402 -- bench/ is the script's folder
 
 
+def graph_time_ms(fn, reps: int, calls: int) -> float:
+    """GPU time per call of fn inside a CUDA graph of `calls` calls: the median of `reps`
+    replays divided by `calls` (no host launch latency). Wall time of one call on CPU."""
+    if not torch.cuda.is_available():
+        return time_ms(fn, 1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compilation) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -45,6 +77,7 @@ def main() -> None:
     p.add_argument("--retention", type=float, default=0.10)
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--graph-calls", type=int, default=20)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -109,12 +142,14 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
            "score_splits": splits, "scratch_rows": rows, "scratch_bytes": scratch.numel() * scratch.element_size()}
     for name, fn in (("dense_ms", dense), ("scores_ms", scores), ("select_ms", select), ("source_ms", source),
                      ("correction_ms", correction)):
-        row[name] = time_ms(fn, args.reps)
+        row[name.replace("_ms", "_eager_ms")] = time_ms(fn, args.reps)
+        row[name] = graph_time_ms(fn, args.reps, args.graph_calls)
     assert int(state.count[0]) == capacity
     print(f"{batch} x {length} (b={capacity}): dense {row['dense_ms'] * 1e3:.1f} us, source "
           f"{row['source_ms'] * 1e3:.1f} us (scores {row['scores_ms'] * 1e3:.1f}, select "
-          f"{row['select_ms'] * 1e3:.1f}), correction {row['correction_ms'] * 1e3:.1f} us, scratch "
-          f"{row['scratch_bytes'] / 2**20:.1f} MiB", flush=True)
+          f"{row['select_ms'] * 1e3:.1f}), correction {row['correction_ms'] * 1e3:.1f} us in graphs (eager: dense "
+          f"{row['dense_eager_ms'] * 1e3:.1f}, source {row['source_eager_ms'] * 1e3:.1f}, correction "
+          f"{row['correction_eager_ms'] * 1e3:.1f}), scratch {row['scratch_bytes'] / 2**20:.1f} MiB", flush=True)
     return row
 
 
