@@ -33,8 +33,8 @@ import torch
 
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention, query_tiles
 from specloop.kernels.sparse_decode import (
-    SCRATCH_BYTES, Blocks, SlotState, _launch_scores, _launch_select, _num_sms, decode_correction, decode_source,
-    key_budget, score_splits, scratch_rows,
+    SCRATCH_BYTES, Blocks, SlotState, _launch_scores, _launch_select, _num_sms, correction_splits, correction_triton,
+    decode_correction, decode_source, key_budget, score_splits, scratch_rows,
 )
 
 from packed_reader_sweep import time_ms  # noqa: E402 -- bench/ is the script's folder
@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--graph-calls", type=int, default=20)
+    p.add_argument("--select-variants", default="8,11,c4@512,c5@256",
+                   help="select kernels also timed (graphs): radix bits, c for counting by compare, @ select block")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -139,12 +141,29 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
     dense()
     scores()
     row = {"length": length, "batch": batch, "kept_keys": capacity, "dense_splits": dense_splits,
+           "correction_splits": correction_splits(batch, args.kv_heads, capacity, _num_sms(device)),
            "score_splits": splits, "scratch_rows": rows, "scratch_bytes": scratch.numel() * scratch.element_size()}
+    for variant in filter(None, args.select_variants.split(",")):
+        bits, _, block = variant.lstrip("c").partition("@")
+        blocks = Blocks(radix_bits=int(bits), count_by_compare=variant.startswith("c"),
+                        select=int(block) if block else Blocks().select)
+
+        def select_variant(blocks=blocks):
+            for first in range(0, batch, rows):
+                _launch_select(v, tables, positions, offsets, args.page, args.retention, dense_out, slots, state,
+                               scratch, first, min(rows, batch - first), length, blocks)
+        row[f"select_{variant}_ms"] = graph_time_ms(select_variant, args.reps, args.graph_calls)
+    for splits in (1, 4):
+        def correction_fixed(splits=splits):
+            correction_triton(q, k, v, tables, positions, offsets, args.page, slots=slots, state=state, out=out,
+                              blocks=Blocks(correction_splits=splits))
+        row[f"correction_splits{splits}_ms"] = graph_time_ms(correction_fixed, args.reps, args.graph_calls)
     for name, fn in (("dense_ms", dense), ("scores_ms", scores), ("select_ms", select), ("source_ms", source),
                      ("correction_ms", correction)):
         row[name.replace("_ms", "_eager_ms")] = time_ms(fn, args.reps)
         row[name] = graph_time_ms(fn, args.reps, args.graph_calls)
     assert int(state.count[0]) == capacity
+    print({k: round(v * 1e3, 1) for k, v in row.items() if k.endswith("_ms") and k.startswith(("select_", "correction_s"))})
     print(f"{batch} x {length} (b={capacity}): dense {row['dense_ms'] * 1e3:.1f} us, source "
           f"{row['source_ms'] * 1e3:.1f} us (scores {row['scores_ms'] * 1e3:.1f}, select "
           f"{row['select_ms'] * 1e3:.1f}), correction {row['correction_ms'] * 1e3:.1f} us in graphs (eager: dense "

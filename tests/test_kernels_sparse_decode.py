@@ -52,7 +52,7 @@ POSITIONS = [150, 0, 29, 199, 5, 99]  # unsorted; n = 1, a short row, 10% of 30 
 PADDED = [150, -1, 0, 29, 199, -1, 5, 99]  # the same rows with padding rows between them
 MAX_CONTEXT = 200
 PAD_SLOT = 1 << 40  # a padding row's slot: never dereferenced
-SMALL = Blocks(scores=16, select=32, gather=16, correction=16, splits=3)
+SMALL = Blocks(scores=16, select=32, gather=16, correction=16, splits=3, correction_splits=3)  # split paths
 SLOT_FIELDS = ("keys", "count", "mass", "o_ref", "c_ref")
 
 
@@ -228,7 +228,8 @@ def test_references_equal_flashloop_pieces(retention):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, dim, page_size, blocks", [
-    (4, 2, 32, 16, Blocks()), (4, 4, 16, 8, SMALL), (6, 2, 24, 32, dataclasses.replace(SMALL, radix_bits=11)),
+    (4, 2, 32, 16, Blocks()), (4, 4, 16, 8, SMALL), (6, 2, 24, 32, dataclasses.replace(SMALL, radix_bits=11, correction_splits=7)),  # empty splits
+    (4, 2, 32, 16, dataclasses.replace(SMALL, radix_bits=4, count_by_compare=True)),
 ])
 def test_kernels_match_references(dtype, heads, kv_heads, dim, page_size, blocks):
     retention = 0.1

@@ -72,9 +72,13 @@ scores; the host loops over the N rows R at a time, both kernels per chunk):
    ascending, to the slot's keys; then a loop over those b positions sums m and C_ref with V
    gathered through the page table (only the kept keys are loaded). It writes count, mass,
    c_ref and o_ref (dense copied to fp32).
-3. `_correction_kernel`, grid (N, Hkv): for each head of the KV head, gathers K_r and V_r
-   of the slot's kept keys through the row's depth-r page table, runs an online softmax
-   over them and writes O_ref - C_ref + m * sum p V_r into out[i] in DT.
+3. `_correction_kernel`, grid (N, Hkv, splits): for each head of the KV head, gathers K_r
+   and V_r of its split's share of the slot's kept keys through the row's depth-r page
+   table and runs an online softmax over them. With one split it writes
+   O_ref - C_ref + m * sum p V_r into out[i] in DT; with more (`correction_splits`: batch 1
+   would otherwise run 16 programs on 132 SMs) each split writes its max, sum and
+   unnormalised sum of p V to fp32 partials, and `_combine_kernel`, grid (N, Hq), merges
+   the splits that held keys and writes out[i].
 
 Why the selection is exact. The kept set is defined by values only: every key with P > T
 and the lowest-positioned keys with P == T, T being the b-th largest P. That is the set of
@@ -112,8 +116,8 @@ Not done: packed INT4 tiles (the runtime gathers reconstructed keys into a paged
 for these kernels, `runtime.sparse_decode.gathered_reader`); the select kernel has Hq
 programs per row, so at batch 1 it runs on 16 of 132 SMs, its passes bound by latency
 (lse could come from the scores kernel, one pass fewer, and the V gather is not
-software-pipelined); the correction has no split-KV (batch 1 is short of programs); block
-sizes and warps are unmeasured on the H200 (`Blocks`; bench/sparse_decode_kernels.py).
+software-pipelined); block sizes and warps are barely measured on the H200 (`Blocks`;
+bench/sparse_decode_kernels.py).
 """
 
 from __future__ import annotations
@@ -169,8 +173,10 @@ class Blocks:
     gather: int = 64  # kept keys per block of the select kernel's V gather
     correction: int = 32  # kept keys per block of the correction kernel
     radix_bits: int = 8  # digit of the radix select: 8 bits is 4 counting passes, 10 or 11 bits 3
+    count_by_compare: bool = False  # digits counted by a [select, 2^radix_bits] compare, not tl.histogram
     select_warps: int = 8
     splits: int | None = None
+    correction_splits: int | None = None  # programs per (row, KV head) of the correction; None: `correction_splits`
 
 
 def scratch_rows(num_heads: int, max_context: int, budget_bytes: int) -> int:
@@ -188,6 +194,13 @@ def score_splits(rows: int, num_kv_heads: int, max_context: int, num_sms: int) -
     two waves of the GPU, no share under 256 keys (`paged_attention.choose_splits`); batch 1
     at 32K keys and 16 KV heads on 132 SMs gets 17."""
     return choose_splits(rows, num_kv_heads, max_context, num_sms)
+
+
+def correction_splits(rows: int, num_kv_heads: int, capacity: int, num_sms: int) -> int:
+    """Programs per (row, KV head) of the correction, from static values only: two waves of
+    the GPU, no share under 64 kept keys of the capacity (a split's fixed cost is its
+    partial write and the combine): batch 1 with 16 KV heads on 132 SMs gets 17, batch 32 one."""
+    return choose_splits(rows, num_kv_heads, capacity, num_sms, min_keys=64, max_splits=64)
 
 
 # --- budgets --------------------------------------------------------------------------
@@ -384,7 +397,8 @@ def _row_lse(x_row, n, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr,
+                  COUNT_BY_COMPARE: tl.constexpr):
     """The b-th largest P bit pattern T of keys 0..n-1 and `need`, how many keys equal to T
     are among the top b (1 <= need <= their count): one histogram pass per digit, most
     significant first, over the keys whose higher digits match T's."""
@@ -402,7 +416,11 @@ def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.conste
             _, x = _probs(x_row, j, ok, lse)
             if digit > 0:
                 ok = ok & ((x >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-            hist += tl.histogram((x >> shift) & (BINS - 1), BINS, mask=ok)
+            digit_of = (x >> shift) & (BINS - 1)
+            if COUNT_BY_COMPARE:  # no atomics: a [BLOCK_S, BINS] compare, for small digits
+                hist += tl.sum(((digit_of[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+            else:
+                hist += tl.histogram(digit_of, BINS, mask=ok)
         at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys whose digit is >= each bin
         value = tl.max(tl.where(at_least >= need, bins, 0), axis=0)  # the digit of the need-th
         need -= tl.sum(tl.where(bins == value, at_least - hist, 0), axis=0)  # minus those above it
@@ -463,7 +481,7 @@ def _select_kernel(
     first, stride_xr, stride_xh, stride_vs, stride_vh, stride_dn, stride_dh, num_heads, capacity, max_context,
     num, den,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, COUNT_BY_COMPARE: tl.constexpr,
 ):
     """Per (row of the chunk, query head): lse, the exact top-b of P, and the slot's state."""
     r = tl.program_id(0).to(tl.int64)
@@ -476,7 +494,7 @@ def _select_kernel(
         slot = tl.load(slots_ptr + row).to(tl.int64)
         x_row = scratch_ptr + r * stride_xr + head * stride_xh
         lse = _row_lse(x_row, n, BLOCK_S)
-        threshold, need = _radix_select(x_row, n, lse, b, BLOCK_S, RADIX_BITS)
+        threshold, need = _radix_select(x_row, n, lse, b, BLOCK_S, RADIX_BITS, COUNT_BY_COMPARE)
         at = slot * num_heads + head
         keys_row = keys_ptr + at * capacity
         _write_kept(x_row, keys_row, n, lse, threshold, need, b, BLOCK_S)
@@ -514,20 +532,26 @@ def _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, cache_
 @triton.jit
 def _correction_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, keys_ptr, count_ptr, mass_ptr,
-    o_ref_ptr, c_ref_ptr, out_ptr, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on,
-    stride_oh, num_heads, capacity, scale,
+    o_ref_ptr, c_ref_ptr, out_ptr, part_ptr, stats_ptr, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs,
+    stride_vh, stride_on, stride_oh, num_heads, capacity, splits, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """Per (row, KV head): softmax of q_r . K_r over each head's kept keys, corrected by the
-    slot's state, into out (in place)."""
+    """Per (row, KV head, split): an online softmax of q_r . K_r over the split's share of
+    each head's kept keys. DIRECT (one split): corrected by the slot's state into out (in
+    place); otherwise the split's running max, sum and unnormalised sum of p V go to the
+    partials for `_combine_kernel`."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     pos = tl.load(positions_ptr + row)
     if pos >= 0:
         slot = tl.load(slots_ptr + row).to(tl.int64)
         count = tl.load(count_ptr + slot)
         if count > 0:
+            share = tl.cdiv(tl.cdiv(count, splits), BLOCK_N) * BLOCK_N
+            lo = split * share
+            hi = tl.minimum(count, lo + share)
             table = tl.load(offsets_ptr + row).to(tl.int64)
             g = tl.arange(0, BLOCK_G)
             g_ok = g < GROUP
@@ -541,10 +565,10 @@ def _correction_kernel(
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            for start in range(0, count, BLOCK_N):
-                ok, k = _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, k_ptr, stride_ks,
+            for start in range(lo, hi, BLOCK_N):
+                ok, k = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, k_ptr, stride_ks,
                                     stride_kh, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
-                _, v = _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
+                _, v = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
                                    stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
                 s = tl.sum(q[:, None, :] * k, axis=2) * scale  # [G, BLOCK_N], fp32 products
                 s = tl.where(ok, s, float("-inf"))
@@ -555,14 +579,63 @@ def _correction_kernel(
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
                 m_i = m_new
-            local = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            vec = at[:, None] * HEAD_DIM + d[None, :]
-            o_ref = tl.load(o_ref_ptr + vec, mask=ok_gd, other=0.0)
-            c_ref = tl.load(c_ref_ptr + vec, mask=ok_gd, other=0.0)
-            mass = tl.load(mass_ptr + at, mask=g_ok, other=0.0)
-            o = round_to(o_ref - c_ref + mass[:, None] * local, out_ptr.dtype.element_ty, BF16_BY_HAND)
-            tl.store(out_ptr + row * stride_on + head[:, None] * stride_oh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=ok_gd)
+            if DIRECT:
+                local = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                _write_corrected(local, at, row, head, g_ok, ok_gd, d, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr,
+                                 stride_on, stride_oh, HEAD_DIM, BF16_BY_HAND)
+            else:
+                part = (row * num_heads + head) * splits + split  # [G] partial rows
+                tl.store(stats_ptr + part * 2, m_i, mask=g_ok)
+                tl.store(stats_ptr + part * 2 + 1, l_i, mask=g_ok)
+                tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=ok_gd)
+
+
+@triton.jit
+def _write_corrected(local, at, row, head, g_ok, ok_gd, d, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr, stride_on,
+                     stride_oh, HEAD_DIM: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """out[row, head] = O_ref - C_ref + m * local, rounded once to out's dtype."""
+    vec = at[:, None] * HEAD_DIM + d[None, :]
+    o_ref = tl.load(o_ref_ptr + vec, mask=ok_gd, other=0.0)
+    c_ref = tl.load(c_ref_ptr + vec, mask=ok_gd, other=0.0)
+    mass = tl.load(mass_ptr + at, mask=g_ok, other=0.0)
+    o = round_to(o_ref - c_ref + mass[:, None] * local, out_ptr.dtype.element_ty, BF16_BY_HAND)
+    tl.store(out_ptr + row * stride_on + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=ok_gd)
+
+
+@triton.jit
+def _combine_kernel(
+    positions_ptr, slots_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr, part_ptr, stats_ptr,
+    stride_on, stride_oh, num_heads, splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
+    """Per (row, query head): merges the splits' partial softmaxes (splits whose share is
+    empty wrote nothing and are skipped) and writes the corrected output."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(positions_ptr + row)
+    if pos >= 0:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        count = tl.load(count_ptr + slot)
+        if count > 0:
+            share = tl.cdiv(tl.cdiv(count, splits), BLOCK_N) * BLOCK_N  # `_correction_kernel`'s
+            i = tl.arange(0, BLOCK_P)
+            d = tl.arange(0, BLOCK_D)
+            part = (row * num_heads + head) * splits + i
+            ran = (i < splits) & (i * share < count)  # a split ran iff its share holds a kept key
+            m = tl.load(stats_ptr + part * 2, mask=ran, other=float("-inf"))
+            l = tl.load(stats_ptr + part * 2 + 1, mask=ran, other=0.0)
+            acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                          mask=ran[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+            top = tl.max(m, axis=0)
+            w = tl.where(ran, tl.exp(m - top), 0.0)
+            local = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+            at = slot * num_heads + head
+            ok_d = d < HEAD_DIM
+            _write_corrected(local[None, :], at + tl.zeros([1], tl.int64), row, head + tl.zeros([1], tl.int32),
+                             tl.full([1], True, tl.int1), ok_d[None, :], d, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr,
+                             stride_on, stride_oh, HEAD_DIM, BF16_BY_HAND)
 
 
 # --- launchers ------------------------------------------------------------------------
@@ -656,6 +729,7 @@ def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch
         first, scratch.stride(0), scratch.stride(1), v_cache.stride(0), v_cache.stride(1), dense.stride(0),
         dense.stride(1), num_heads, state.keys.shape[2], max_context, num, den,
         BLOCK_S=blocks.select, BLOCK_V=blocks.gather, RADIX_BITS=blocks.radix_bits,
+        COUNT_BY_COMPARE=blocks.count_by_compare,
         **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps,
     )
 
@@ -663,21 +737,34 @@ def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch
 def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                       positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
                       slots: torch.Tensor, state: SlotState, out: torch.Tensor, blocks: Blocks = Blocks()) -> None:
-    """Loop >= 3 outputs into `out` in place: one program per (row, KV head) over its slot's
-    kept keys; no host sync."""
+    """Loop >= 3 outputs into `out` in place: programs per (row, KV head, split) over shares
+    of the slot's kept keys, then (more than one split) a combine per (row, query head);
+    no host sync, a fixed launch sequence for fixed shapes."""
     _check(q, k_cache, v_cache, tables, positions, table_offsets, slots, state)
     n, num_heads, head_dim = q.shape
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out: [N, Hq, D] in q's dtype"
     if n == 0:
         return
     shape = _shape(num_heads, k_cache, page_size)
-    _correction_kernel[(n, k_cache.shape[1])](
+    capacity = state.keys.shape[2]
+    splits = blocks.correction_splits or correction_splits(n, k_cache.shape[1], capacity, _num_sms(q.device))
+    direct = splits == 1
+    part = q.new_empty((1 if direct else n * num_heads * splits, head_dim), dtype=torch.float32)
+    stats = q.new_empty((1 if direct else n * num_heads * splits, 2), dtype=torch.float32)
+    by_hand = _INTERPRET and q.dtype == torch.bfloat16
+    _correction_kernel[(n, k_cache.shape[1], splits)](
         q, k_cache, v_cache, tables, positions, table_offsets, slots, state.keys, state.count, state.mass,
-        state.o_ref, state.c_ref, out, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), num_heads, state.keys.shape[2],
+        state.o_ref, state.c_ref, out, part, stats, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), num_heads, capacity, splits,
         head_dim ** -0.5, BLOCK_G=triton.next_power_of_2(shape["GROUP"]), BLOCK_N=blocks.correction,
-        BF16_BY_HAND=_INTERPRET and q.dtype == torch.bfloat16, **shape,
+        BF16_BY_HAND=by_hand, DIRECT=direct, **shape,
     )
+    if not direct:
+        _combine_kernel[(n, num_heads)](
+            positions, slots, state.count, state.mass, state.o_ref, state.c_ref, out, part, stats,
+            out.stride(0), out.stride(1), num_heads, splits, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
+            BLOCK_N=blocks.correction, BLOCK_P=triton.next_power_of_2(splits), BF16_BY_HAND=by_hand,
+        )
 
 
 # --- dispatch -------------------------------------------------------------------------
