@@ -15,6 +15,11 @@ the loop-2 source's scores kernel and select kernel alone, and the whole source
 (`decode_correction`). The scratch is the one the source allocates by default
 (`scratch_rows` under SCRATCH_BYTES), reported in bytes with its rows.
 
+`dense_scores_ms` is the dense launch that also keeps the rows' scores and lse, and
+`select_lse_ms` the select kernel alone on them (`decode_select`): the fused source the
+engine runs when the scratch holds every source row costs `fused_source_ms` =
+dense_scores - dense + select_lse on top of the dense loop.
+
 Each `*_ms` is the GPU time per call inside a CUDA graph (`--graph-calls` calls captured
 in one graph, replayed, the median replay divided by the calls), as the engine runs these
 kernels; `*_eager_ms` times one eager call between events, which adds the host's launch
@@ -34,7 +39,7 @@ import torch
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention, query_tiles
 from specloop.kernels.sparse_decode import (
     SCRATCH_BYTES, Blocks, SlotState, _launch_scores, _launch_select, _num_sms, correction_splits, correction_triton,
-    decode_correction, decode_source, key_budget, score_splits, scratch_rows,
+    decode_correction, decode_select, decode_source, key_budget, score_splits, scratch_rows,
 )
 
 from packed_reader_sweep import time_ms  # noqa: E402 -- bench/ is the script's folder
@@ -131,6 +136,19 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
             _launch_select(v, tables, positions, offsets, args.page, args.retention, dense_out, slots, state, scratch,
                            first, min(rows, batch - first), length, Blocks())
 
+    score_rows = torch.arange(batch, dtype=torch.int32, device=device)
+    fused = batch <= rows  # the engine keeps the scores in the dense launch when the scratch holds every row
+    lse = torch.empty(batch, args.heads, dtype=torch.float32, device=device)
+
+    def dense_scores():  # the loop-2 dense launch keeping the rows' scores and lse (the fused source's half)
+        lse.copy_(paged_attention(q, k, v, tables, positions, tiles, args.page, tile_rows=tile_rows,
+                                  num_splits=dense_splits, out=dense_out, return_lse=True, scores=scratch,
+                                  score_rows=score_rows)[1])
+
+    def select_lse():  # the fused source's other half: the select kernel with the dense launch's lse
+        decode_select(v, tables, positions, offsets, args.page, args.retention, dense=dense_out, lse=lse,
+                      scores=scratch, slots=slots, state=state, max_context=length)
+
     def source():
         decode_source(q, k, v, tables, positions, offsets, args.page, args.retention, dense=dense_out, slots=slots,
                       state=state, max_context=length, scratch=scratch)
@@ -158,12 +176,18 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
             correction_triton(q, k, v, tables, positions, offsets, args.page, slots=slots, state=state, out=out,
                               blocks=Blocks(correction_splits=splits))
         row[f"correction_splits{splits}_ms"] = graph_time_ms(correction_fixed, args.reps, args.graph_calls)
-    for name, fn in (("dense_ms", dense), ("scores_ms", scores), ("select_ms", select), ("source_ms", source),
-                     ("correction_ms", correction)):
+    named = [("dense_ms", dense), ("scores_ms", scores), ("select_ms", select), ("source_ms", source),
+             ("correction_ms", correction)]
+    if fused:
+        dense_scores()
+        named += [("dense_scores_ms", dense_scores), ("select_lse_ms", select_lse)]
+    for name, fn in named:
         row[name.replace("_ms", "_eager_ms")] = time_ms(fn, args.reps)
         row[name] = graph_time_ms(fn, args.reps, args.graph_calls)
     assert int(state.count[0]) == capacity
-    print({k: round(v * 1e3, 1) for k, v in row.items() if k.endswith("_ms") and k.startswith(("select_", "correction_s"))})
+    if fused:
+        row["fused_source_ms"] = row["dense_scores_ms"] - row["dense_ms"] + row["select_lse_ms"]
+    print({k: round(v * 1e3, 1) for k, v in row.items() if k.endswith("_ms") and k.startswith(("select_", "correction_s", "dense_s", "fused"))})
     print(f"{batch} x {length} (b={capacity}): dense {row['dense_ms'] * 1e3:.1f} us, source "
           f"{row['source_ms'] * 1e3:.1f} us (scores {row['scores_ms'] * 1e3:.1f}, select "
           f"{row['select_ms'] * 1e3:.1f}), correction {row['correction_ms'] * 1e3:.1f} us in graphs (eager: dense "

@@ -37,8 +37,9 @@ import torch
 
 from specloop.kernels.sparse_decode import (
     Blocks, SlotState, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
-    decode_source, key_budget, key_budgets, scratch_rows, source_reference, source_triton,
+    decode_select, decode_source, key_budget, key_budgets, scratch_rows, source_reference, source_triton,
 )
+from specloop.kernels.paged_attention import block_g, paged_attention
 from specloop.model.flashloop_reference import (
     _causal_probs, _per_head, corrected_attention, decode_budget, decode_reference,
 )
@@ -266,6 +267,41 @@ def _tie_case(dtype: torch.dtype) -> Case:
         k[rows[tied]] = 0.5
     return dataclasses.replace(case, q2=torch.ones_like(case.q2).to(dtype), q3=case.q3.to(dtype), k=k.to(dtype),
                                v=case.v.to(dtype), dense=case.dense.to(dtype))
+
+
+@pytest.mark.parametrize("dtype, splits", [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 2)])
+def test_scores_kept_by_the_dense_launch_give_the_source_state(dtype, splits):
+    """The fused source: `paged_attention` stores the scored rows' scores and gives their lse,
+    then `decode_select` alone gives `source_reference`'s state. Rows with score row -1 (the
+    second source row here) leave the scores untouched, and storing them changes neither the
+    output nor the lse."""
+    retention = 0.1
+    case = _separated_case(41, retention, dtype=dtype)
+    heads = case.q2.shape[1]
+    tile_rows = max(1, 16 // block_g(heads, case.k.shape[1]))
+    real = [i for i, pos in enumerate(PADDED) if pos >= 0]
+    tiles = torch.tensor([(i, 1, int(case.off2[i])) for i in real], device=DEVICE).view(-1, 3)
+    scored = [i for i in real if i != real[1]]
+    score_rows = torch.full((len(PADDED),), -1, dtype=torch.int32, device=DEVICE)
+    score_rows[scored] = torch.arange(len(scored), dtype=torch.int32, device=DEVICE)
+    scores = torch.full((len(scored) + 1, heads, MAX_CONTEXT), -7.0, device=DEVICE)
+    args = (case.q2, case.k, case.v, case.tables, case.positions, tiles, case.page_size)
+    plain, plain_lse = paged_attention(*args, tile_rows=tile_rows, num_splits=splits, return_lse=True)
+    dense, lse = paged_attention(*args, tile_rows=tile_rows, num_splits=splits, return_lse=True, scores=scores,
+                                 score_rows=score_rows)
+    assert torch.equal(dense[real], plain[real]) and torch.equal(lse[real], plain_lse[real])
+    assert (scores[-1] == -7).all(), "a row without a scores row wrote one"
+    for r, i in enumerate(scored):  # keys past a row's position are not written either
+        assert (scores[r, :, int(case.positions[i]) + 1:] == -7).all()
+    at = torch.tensor(scored, device=DEVICE)
+    want = case.state(key_budget(MAX_CONTEXT, retention))
+    got = case.state(key_budget(MAX_CONTEXT, retention))
+    rows = dataclasses.replace(case, q2=case.q2[at], positions=case.positions[at], off2=case.off2[at],
+                               slots=case.slots[at], dense=case.dense[at])
+    source_reference(*rows.source_args(), retention, dense=rows.dense, slots=rows.slots, state=want)
+    decode_select(case.v, case.tables, rows.positions, rows.off2, case.page_size, retention, dense=rows.dense,
+                  lse=lse[at].contiguous(), scores=scores, slots=rows.slots, state=got, max_context=MAX_CONTEXT)
+    _state_close(got, want, rows, dtype, retention)
 
 
 @pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks()),

@@ -49,11 +49,12 @@ TILE_COLUMNS = 3  # first row, rows, table offset
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
-    num_heads, scale,
+    stride_sr, stride_sh, num_heads, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr, WRITE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,6 +74,9 @@ def _attention_kernel(
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         pos = tl.load(positions_ptr + row, mask=r_ok, other=-1)
+        if STORE_SCORES:  # each row's scores row, -1 for none
+            score_at = tl.load(score_rows_ptr + row, mask=r_ok, other=-1).to(tl.int64)
+            score_row = scores_ptr + score_at * stride_sr + head * stride_sh
         context = tl.max(pos, axis=0) + 1
         chunk = tl.cdiv(tl.cdiv(context, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
@@ -96,7 +100,10 @@ def _attention_kernel(
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(j_ok[None, :] & (j[None, :] <= pos[:, None]), s * scale, float("-inf"))
+            visible = j_ok[None, :] & (j[None, :] <= pos[:, None])
+            if STORE_SCORES:
+                tl.store(score_row[:, None] + j[None, :], s * scale, mask=visible & (ok & (score_at >= 0))[:, None])
+            s = tl.where(visible, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
             alpha = tl.exp(m_i - m_safe)
@@ -169,9 +176,13 @@ def query_tiles(groups: Iterable[tuple[int, int, int]], tile_rows: int) -> list[
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     positions: torch.Tensor, tiles: torch.Tensor, page_size: int, *, tile_rows: int,
                     num_splits: int = 1, block_n: int = 64, return_lse: bool = False,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    out: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+                    score_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs, plus the combine when split. `tiles` must
-    have been cut with at most `tile_rows` rows each; tile_rows x block_g >= 16 (tl.dot)."""
+    have been cut with at most `tile_rows` rows each; tile_rows x block_g >= 16 (tl.dot).
+    With `scores` (fp32 [R, Hq, >= every scored row's position + 1]) and `score_rows` ([N]
+    int, -1 for none), row i's scaled scores q . k / sqrt(D) of keys 0..pos also go to
+    scores[score_rows[i]] (sparse decode's loop-2 source reads them: no second pass over K)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, "K and V caches must be [S, Hkv, D]"
@@ -192,14 +203,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o = torch.empty(n * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n * num_heads * num_splits, dtype=torch.float32, device=q.device)
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
+    store_scores = scores is not None
+    if store_scores:
+        assert (scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[1] == num_heads
+                and scores.stride(2) == 1), "scores: fp32 [rows, Hq, keys]"
+        assert score_rows is not None and score_rows.shape == (n,) and score_rows.is_contiguous(), "score_rows: [N]"
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, tables, positions, tiles, out, lse_arg, part_o, part_lse,
+        scores if store_scores else out, score_rows if store_scores else positions,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+        scores.stride(0) if store_scores else 0, scores.stride(1) if store_scores else 0,
         num_heads, head_dim ** -0.5,
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
         BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=num_splits, DOT_FP32=dot_fp32,
-        WRITE_LSE=return_lse,
+        WRITE_LSE=return_lse, STORE_SCORES=store_scores,
     )
     if num_splits > 1:
         _combine_kernel[(num_tiles, num_heads)](

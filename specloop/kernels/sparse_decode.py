@@ -197,10 +197,13 @@ def score_splits(rows: int, num_kv_heads: int, max_context: int, num_sms: int) -
 
 
 def correction_splits(rows: int, num_kv_heads: int, capacity: int, num_sms: int) -> int:
-    """Programs per (row, KV head) of the correction, from static values only: two waves of
-    the GPU, no share under 64 kept keys of the capacity (a split's fixed cost is its
-    partial write and the combine): batch 1 with 16 KV heads on 132 SMs gets 17, batch 32 one."""
-    return choose_splits(rows, num_kv_heads, capacity, num_sms, min_keys=64, max_splits=64)
+    """Programs per (row, KV head) of the correction, from static values only: at least two
+    waves of the GPU and one split per 256 kept keys of the capacity (its gathers are bound
+    by latency, not bandwidth: 4 splits ran 1.4x faster than 1 at 32 x 8K on the H200), no
+    share under 64 keys, at most 64 splits. Shares are cut on the device from each row's
+    count, so splits past a short row's keys exit at once."""
+    waves = choose_splits(rows, num_kv_heads, capacity, num_sms, min_keys=64, max_splits=64)
+    return max(1, min(64, capacity // 64, max(waves, capacity // 256)))
 
 
 # --- budgets --------------------------------------------------------------------------
@@ -476,14 +479,16 @@ def _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, kv_head, stride_vs, st
 
 @triton.jit
 def _select_kernel(
-    scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, dense_ptr,
+    scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, dense_ptr, lse_ptr,
     keys_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr,
-    first, stride_xr, stride_xh, stride_vs, stride_vh, stride_dn, stride_dh, num_heads, capacity, max_context,
-    num, den,
+    first, stride_xr, stride_xh, stride_vs, stride_vh, stride_dn, stride_dh, stride_ln, num_heads, capacity,
+    max_context, num, den,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, COUNT_BY_COMPARE: tl.constexpr,
+    HAVE_LSE: tl.constexpr,
 ):
-    """Per (row of the chunk, query head): lse, the exact top-b of P, and the slot's state."""
+    """Per (row of the chunk, query head): lse (HAVE_LSE: the dense launch's), the exact
+    top-b of P, and the slot's state."""
     r = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = first + r
@@ -493,7 +498,10 @@ def _select_kernel(
         b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
         slot = tl.load(slots_ptr + row).to(tl.int64)
         x_row = scratch_ptr + r * stride_xr + head * stride_xh
-        lse = _row_lse(x_row, n, BLOCK_S)
+        if HAVE_LSE:
+            lse = tl.load(lse_ptr + row * stride_ln + head)
+        else:
+            lse = _row_lse(x_row, n, BLOCK_S)
         threshold, need = _radix_select(x_row, n, lse, b, BLOCK_S, RADIX_BITS, COUNT_BY_COMPARE)
         at = slot * num_heads + head
         keys_row = keys_ptr + at * capacity
@@ -701,6 +709,28 @@ def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        scratch, first, rows, max_context, blocks)
 
 
+def decode_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                  table_offsets: torch.Tensor, page_size: int, key_retention: float, *, dense: torch.Tensor,
+                  lse: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, state: SlotState,
+                  max_context: int, blocks: Blocks = Blocks()) -> None:
+    """Loop-2 state from a dense launch that kept the rows' scores and lse (Triton only):
+    `paged_attention(..., scores=scores, score_rows=..., return_lse=True)` stored row i's
+    scaled scores in scores[i] (i-th row here) and gave `lse` [N, Hq] and `dense`; this runs
+    the select kernel alone, which is `decode_source` without its scores kernel and lse pass.
+    scores [>= N, Hq, >= max_context] fp32; the rest as `decode_source`."""
+    n, num_heads, head_dim = dense.shape
+    assert positions.shape == table_offsets.shape == slots.shape == (n,), "positions, table offsets, slots: [N]"
+    assert lse.shape == (n, num_heads) and lse.dtype == torch.float32 and lse.stride(1) == 1, "lse: fp32 [N, Hq]"
+    assert (scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[0] >= n
+            and scores.shape[1] == num_heads and scores.shape[2] >= max_context and scores.stride(2) == 1), (
+        "scores: fp32 [>= N, Hq, >= max_context]")
+    assert dense.stride(2) == 1 and v_cache.stride(2) == 1, "the head dim must be contiguous"
+    check_capacity(max_context, key_retention, state.keys.shape[2])
+    if n:
+        _launch_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, slots, state,
+                       scores, 0, n, max_context, blocks, lse=lse)
+
+
 def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                    table_offsets: torch.Tensor, page_size: int, scratch: torch.Tensor, first: int, rows: int,
                    max_context: int, splits: int, blocks: Blocks) -> None:
@@ -718,18 +748,18 @@ def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
 def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                    table_offsets: torch.Tensor, page_size: int, key_retention: float, dense: torch.Tensor,
                    slots: torch.Tensor, state: SlotState, scratch: torch.Tensor, first: int, rows: int,
-                   max_context: int, blocks: Blocks) -> None:
+                   max_context: int, blocks: Blocks, lse: torch.Tensor | None = None) -> None:
     """The select kernel over rows first..first+rows-1, whose scores are in scratch rows
-    0..rows-1."""
+    0..rows-1 (and whose lse [N, Hq], when given, is the dense launch's)."""
     num_heads = dense.shape[1]
     num, den = retention_fraction(key_retention)
     _select_kernel[(rows, num_heads)](
-        scratch, v_cache, tables, positions, table_offsets, slots, dense,
+        scratch, v_cache, tables, positions, table_offsets, slots, dense, dense if lse is None else lse,
         state.keys, state.count, state.mass, state.o_ref, state.c_ref,
         first, scratch.stride(0), scratch.stride(1), v_cache.stride(0), v_cache.stride(1), dense.stride(0),
-        dense.stride(1), num_heads, state.keys.shape[2], max_context, num, den,
+        dense.stride(1), 0 if lse is None else lse.stride(0), num_heads, state.keys.shape[2], max_context, num, den,
         BLOCK_S=blocks.select, BLOCK_V=blocks.gather, RADIX_BITS=blocks.radix_bits,
-        COUNT_BY_COMPARE=blocks.count_by_compare,
+        COUNT_BY_COMPARE=blocks.count_by_compare, HAVE_LSE=lse is not None,
         **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps,
     )
 

@@ -32,7 +32,7 @@ from specloop.kernels.paged_attention import block_g, choose_splits, paged_atten
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.kv_residual import PackedResiduals
-from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, gathered_reader, paged_reader
+from specloop.runtime.sparse_decode import DecodeReferences, KeptScores, SparseRows, gathered_reader, paged_reader
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -107,6 +107,8 @@ class _Sparse:
     longest: int  # the pass's longest context (host)
     exited: torch.Tensor | None  # [N] the rows whose token exited before the pass (adaptive exit)
     correction_tiles: torch.Tensor | None  # the correction rows' query tiles (Triton: the dense launch skips them)
+    scores: torch.Tensor | None = None  # Triton: the scratch view the dense launch stores the sources' scores in
+    score_rows: torch.Tensor | None = None  # [N] int32: each row's scores row there (source k: k), -1 for none
 
     @classmethod
     def of(cls, lp: LoopPass, keep: torch.Tensor | None) -> "_Sparse | None":
@@ -250,7 +252,20 @@ class TritonAttention:
         if splits is None:  # eager: from this call's tiles and longest context
             splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                          sparse=_Sparse.of(lp, keep))
+                          sparse=self._keep_scores(_Sparse.of(lp, keep), lp.positions.shape[0]))
+
+    def _keep_scores(self, sparse: _Sparse | None, n: int) -> _Sparse | None:
+        """The pass's sparse rows, with the scratch view and score rows when the dense launch
+        can keep every source row's scores (once per pass: every layer's launch uses them)."""
+        sources = sparse.rows.source if sparse is not None else None
+        if sources is None or self.references is None:
+            return sparse
+        scores = self.references.scores_for(sources.numel(), sparse.longest)
+        if scores is None:
+            return sparse
+        score_rows = torch.full((n,), -1, dtype=torch.int32, device=sources.device)
+        score_rows[sources] = torch.arange(sources.numel(), dtype=torch.int32, device=sources.device)
+        return dataclasses.replace(sparse, scores=scores, score_rows=score_rows)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
@@ -269,19 +284,26 @@ class TritonAttention:
                                         store.layer_view(layer), res.cells, res.depths, res.positions,
                                         meta.table_offsets, num_splits=meta.num_splits, tiles=tiles,
                                         tile_rows=meta.tile_rows, out=out)[0]
+            out = dense(meta.tiles, out)
+            kept = None
         else:
             def dense(tiles: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
                 return paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, tiles,
                                        self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits,
                                        out=out)[0]
-        out = dense(meta.tiles, out)
+            scores = meta.sparse.scores if meta.sparse is not None else None
+            out, lse = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions,
+                                       meta.tiles, self.kv.page_size, tile_rows=meta.tile_rows,
+                                       num_splits=meta.num_splits, out=out, return_lse=scores is not None,
+                                       scores=scores, score_rows=meta.sparse.score_rows if scores is not None else None)
+            kept = KeptScores(scores, lse) if scores is not None else None
         fallback = None
         if corrects:
             tiles, tile_rows = meta.sparse.correction_tiles, meta.tile_rows
 
             def fallback(need: torch.Tensor) -> None:  # the correction tiles holding a row that needs it
                 dense(_tiles_with(tiles, need, tile_rows), out)
-        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True, fallback=fallback)
+        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True, fallback=fallback, kept=kept)
 
 
 def _tiles_with(tiles: torch.Tensor, rows: torch.Tensor, tile_rows: int) -> torch.Tensor:
@@ -297,7 +319,8 @@ def _tiles_with(tiles: torch.Tensor, rows: torch.Tensor, tile_rows: int) -> torc
 
 def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: torch.Tensor, out: torch.Tensor,
                    sparse: _Sparse | None, use_triton: bool,
-                   fallback: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                   fallback: Callable[[torch.Tensor], None] | None = None,
+                   kept: KeptScores | None = None) -> torch.Tensor:
     """The pass's generated-token rows of `out` as sparse decode attention gives them
     (`DecodeReferences.attend`); `out` unchanged without such rows. The torch backend runs
     the kernels' torch references over the dense output of every row, the Triton one the
@@ -317,7 +340,7 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
                              sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
         read = gathered_reader(keys_of, sparse.longest, kv.page_size)
     return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
-                                     use_triton, sparse.longest, sparse.exited, fallback)
+                                     use_triton, sparse.longest, sparse.exited, fallback, kept)
 
 
 def backend_name(name: str, device: torch.device) -> str:

@@ -41,8 +41,18 @@ from collections.abc import Callable
 import torch
 
 from specloop.kernels.sparse_decode import (
-    SCRATCH_BYTES, SlotState, decode_correction, decode_source, key_budget, scratch_rows,
+    SCRATCH_BYTES, SlotState, decode_correction, decode_select, decode_source, key_budget, scratch_rows,
 )
+
+
+@dataclasses.dataclass
+class KeptScores:
+    """What a dense launch that kept the source rows' scores hands the source step: the
+    scratch view it wrote (`DecodeReferences.scores_for`), source row k's scores in row k,
+    and the lse of every row of the pass [N, Hq] (fp32)."""
+
+    scores: torch.Tensor
+    lse: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -147,7 +157,8 @@ class DecodeReferences:
     def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, context: int,
                exited: torch.Tensor | None = None,
-               fallback: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+               fallback: Callable[[torch.Tensor], None] | None = None,
+               kept: KeptScores | None = None) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
         tokens' rows replaced: sources keep their state (their output is the dense one,
         which is O_ref), corrections output the corrected attention where their state is
@@ -156,10 +167,11 @@ class DecodeReferences:
         (`KeyReader`); `context` (host) bounds every row's position + 1; `fallback(rows)`,
         when given, computes the dense attention of rows [N] bool into `out` (a backend
         whose dense launch left the correction rows out: it is called with those whose state
-        is missing); no host sync."""
+        is missing); `kept`, when given, holds the source rows' scores and the rows' lse from
+        the dense launch (Triton: the source runs its select kernel alone); no host sync."""
         if rows.source.numel():
             self._source(layer, rows.source, rows.source_ok, q, out, positions, token_slots, read, use_triton,
-                         exited, min(max(context, 1), self.max_context))
+                         exited, min(max(context, 1), self.max_context), kept)
         if rows.correction.numel():
             self._correct(layer, rows.correction, rows.correction_ok, q, out, positions, token_slots, read,
                           use_triton, exited, fallback)
@@ -167,18 +179,30 @@ class DecodeReferences:
 
     def _source(self, layer: int, r: torch.Tensor, ok: torch.Tensor | None, q: torch.Tensor, out: torch.Tensor,
                 positions: torch.Tensor, token_slots: torch.Tensor, read: KeyReader, use_triton: bool,
-                exited: torch.Tensor | None, context: int) -> None:
+                exited: torch.Tensor | None, context: int, kept: KeptScores | None) -> None:
         """`context`: the pass's longest context (host), which shapes the scratch."""
         run = _running(r, ok, exited)
         k_cache, v_cache, tables, offsets, page_size = read(r)
         slots = token_slots[r]
-        decode_source(q[r].contiguous(), k_cache, v_cache, tables, torch.where(run, positions[r], -1), offsets,
-                      page_size, self.key_retention, dense=out[r].contiguous(), slots=slots,
-                      state=self.layer(layer), max_context=context, scratch=self._scratch(context),
-                      use_triton=use_triton)
+        at = torch.where(run, positions[r], -1)
+        if kept is not None:
+            decode_select(v_cache, tables, at, offsets, page_size, self.key_retention, dense=out[r].contiguous(),
+                          lse=kept.lse[r].contiguous(), scores=kept.scores, slots=slots, state=self.layer(layer),
+                          max_context=context)
+        else:
+            decode_source(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, self.key_retention,
+                          dense=out[r].contiguous(), slots=slots, state=self.layer(layer), max_context=context,
+                          scratch=self._scratch(context), use_triton=use_triton)
         safe = self._safe(slots)
         # rows not playing the part (a graph's) leave their slot alone: the sink takes their write
         self.present[safe if ok is None else torch.where(ok, safe, self.num_slots), layer] = run
+
+    def scores_for(self, sources: int, context: int) -> torch.Tensor | None:
+        """The scratch view a dense launch can store `sources` rows' scores in at this
+        context (`context`: the pass's longest, host), or None when it holds fewer rows (the
+        source then runs its own scores kernel, in chunks)."""
+        view = self._scratch(min(max(context, 1), self.max_context))
+        return view if view is not None and 0 < sources <= view.shape[0] else None
 
     def _scratch(self, context: int) -> torch.Tensor | None:
         """The scratch as [rows, Hq, context]: as many rows as fit at this context (None
