@@ -393,36 +393,37 @@ def test_sparse_rows_of_each_pass():
     assert _sparse_rows(ordered, firsts, 3) == ([], [0])
 
 
-def _roles_setup():
+def _roles_setup(every: bool = False):
     torch.manual_seed(0)
     refs = DecodeReferences(4, 2, 2, 8, 16, 0.5, torch.float32, torch.device("cpu"))
     k, v = torch.randn(64, 1, 8), torch.randn(64, 1, 8)
     offsets = torch.tensor([0, 4, 8, 12, 0])
-    read = paged_reader(k, v, torch.arange(16), offsets, 4)
+    read = paged_reader(k, v, torch.arange(16), offsets, 4, every)
     return refs, read
 
 
 def test_a_graphs_roles_give_what_row_lists_give():
     """A CUDA graph's form of the rows (every row listed, the roles saying which play which
-    part, a padding row naming a slot past the decode ones) writes the same state and
-    outputs as the eager row lists, and rows playing no part leave their slots alone."""
+    part, a padding row naming a slot past the decode ones; `every`: views, not gathers,
+    and layer 1 reusing layer 0's masks) writes the same state and outputs as the eager row
+    lists, and rows playing no part leave their slots alone."""
     positions = torch.tensor([9, 12, 10, 11, 0])
     slots = torch.tensor([0, 1, 2, 3, 99])
     q, dense = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     q_before, dense_before = torch.randn(5, 2, 8), torch.randn(5, 2, 8)  # a source pass over them would show
     eager, read = _roles_setup()
-    graph, _ = _roles_setup()
+    graph, read_every = _roles_setup(every=True)
     for refs in (eager, graph):  # rows 2 and 3 ran loop 2 earlier, with other queries
         for layer in range(2):
             refs.attend(layer, SparseRows(torch.tensor([2, 3]), torch.zeros(0, dtype=torch.long)), q_before,
                         dense_before.clone(), positions, slots, read, False, 16)
     every = torch.arange(5)
     roles = torch.tensor([1, 1, 2, 2, 0])
+    lists, form = SparseRows(torch.tensor([0, 1]), torch.tensor([2, 3])), SparseRows(
+        every, every, roles == 1, roles == 2, every=True)
     for layer in range(2):
-        want = eager.attend(layer, SparseRows(torch.tensor([0, 1]), torch.tensor([2, 3])), q, dense.clone(),
-                            positions, slots, read, False, 16)
-        got = graph.attend(layer, SparseRows(every, every, roles == 1, roles == 2), q, dense.clone(), positions,
-                           slots, read, False, 16)
+        want = eager.attend(layer, lists, q, dense.clone(), positions, slots, read, False, 16)
+        got = graph.attend(layer, form, q, dense.clone(), positions, slots, read_every, False, 16)
         assert torch.equal(got, want) and not torch.equal(got[2:4], dense[2:4])
     for name in ("keys", "count", "mass", "o_ref", "c_ref"):
         assert torch.equal(getattr(graph, name), getattr(eager, name)), name

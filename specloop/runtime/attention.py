@@ -301,8 +301,12 @@ class TritonAttention:
         if corrects:
             tiles, tile_rows = meta.sparse.correction_tiles, meta.tile_rows
 
+            memo = meta.sparse.rows.memo
+
             def fallback(need: torch.Tensor) -> None:  # the correction tiles holding a row that needs it
-                dense(_tiles_with(tiles, need, tile_rows), out)
+                if layer == 0 or "fallback_tiles" not in memo:  # once per pass
+                    memo["fallback_tiles"] = _tiles_with(tiles, need, tile_rows)
+                dense(memo["fallback_tiles"], out)
         return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True, fallback=fallback, kept=kept)
 
 
@@ -331,7 +335,7 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
     kv = backend.kv
     k, v = kv.k[layer], kv.v[layer]
     if backend.residuals is None:
-        read = paged_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size)
+        read = paged_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size, sparse.rows.every)
     else:
         packed = backend.residuals.layer_view(layer)
 

@@ -715,7 +715,7 @@ def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, pag
     if sparse_roles:
         roles = v["roles"][:rows]
         every = torch.arange(rows, device=block.device)
-        lp.sparse = SparseRows(every, every, roles == 1, roles == 2)
+        lp.sparse = SparseRows(every, every, roles == 1, roles == 2, every=True)
     if layout.residual_planes:
         assert residual is not None, "a block with residual columns needs its candidates"
         lp.residual = ResidualPass(v["cells"][:rows], v["pass_cells"], v["plane_tables"], *residual)

@@ -59,13 +59,22 @@ class KeptScores:
 class SparseRows:
     """A loop pass's generated-token rows: `source` (depth 1) and `correction` (depth >= 2)
     batch rows, [Ns] and [Nc] long on the device. A CUDA graph lists every row of its
-    bucket in both and says which rows play each part in `source_ok` / `correction_ok`
-    ([b] bool, from the pass block: values, never constants of the graph)."""
+    bucket in both (`every`: then a gather by them is the tensor itself) and says which rows
+    play each part in `source_ok` / `correction_ok` ([b] bool, from the pass block: values,
+    never constants of the graph). `memo` holds what the pass's layer 0 derived from the
+    rows (slots, masks, fallback tiles), which its later layers reuse (layer 0 derives it
+    afresh, so a list reused for another pass is never stale)."""
 
     source: torch.Tensor
     correction: torch.Tensor
     source_ok: torch.Tensor | None = None
     correction_ok: torch.Tensor | None = None
+    every: bool = False
+    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def pick(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """x[r] for one of the row lists r (x itself when r is every row)."""
+        return x if self.every else x[r]
 
 
 class DecodeReferences:
@@ -170,32 +179,36 @@ class DecodeReferences:
         is missing); `kept`, when given, holds the source rows' scores and the rows' lse from
         the dense launch (Triton: the source runs its select kernel alone); no host sync."""
         if rows.source.numel():
-            self._source(layer, rows.source, rows.source_ok, q, out, positions, token_slots, read, use_triton,
-                         exited, min(max(context, 1), self.max_context), kept)
+            self._source(layer, rows, q, out, positions, token_slots, read, use_triton, exited,
+                         min(max(context, 1), self.max_context), kept)
         if rows.correction.numel():
-            self._correct(layer, rows.correction, rows.correction_ok, q, out, positions, token_slots, read,
-                          use_triton, exited, fallback)
+            self._correct(layer, rows, q, out, positions, token_slots, read, use_triton, exited, fallback)
         return out
 
-    def _source(self, layer: int, r: torch.Tensor, ok: torch.Tensor | None, q: torch.Tensor, out: torch.Tensor,
-                positions: torch.Tensor, token_slots: torch.Tensor, read: KeyReader, use_triton: bool,
-                exited: torch.Tensor | None, context: int, kept: KeptScores | None) -> None:
+    def _source(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
+                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None,
+                context: int, kept: KeptScores | None) -> None:
         """`context`: the pass's longest context (host), which shapes the scratch."""
-        run = _running(r, ok, exited)
+        r = rows.source
+        if layer == 0 or "source" not in rows.memo:  # the pass's first layer
+            run = _running(rows, r, rows.source_ok, exited)
+            slots = rows.pick(token_slots, r)
+            safe = self._safe(slots)
+            # rows not playing the part (a graph's) leave their slot alone: the sink takes their write
+            mark = safe if rows.source_ok is None else torch.where(rows.source_ok, safe, self.num_slots)
+            rows.memo["source"] = (slots, torch.where(run, rows.pick(positions, r), -1), run, mark)
+        slots, at, run, mark = rows.memo["source"]
         k_cache, v_cache, tables, offsets, page_size = read(r)
-        slots = token_slots[r]
-        at = torch.where(run, positions[r], -1)
+        dense = rows.pick(out, r).contiguous()
         if kept is not None:
-            decode_select(v_cache, tables, at, offsets, page_size, self.key_retention, dense=out[r].contiguous(),
-                          lse=kept.lse[r].contiguous(), scores=kept.scores, slots=slots, state=self.layer(layer),
-                          max_context=context)
+            decode_select(v_cache, tables, at, offsets, page_size, self.key_retention, dense=dense,
+                          lse=rows.pick(kept.lse, r).contiguous(), scores=kept.scores, slots=slots,
+                          state=self.layer(layer), max_context=context)
         else:
-            decode_source(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, self.key_retention,
-                          dense=out[r].contiguous(), slots=slots, state=self.layer(layer), max_context=context,
+            decode_source(rows.pick(q, r).contiguous(), k_cache, v_cache, tables, at, offsets, page_size,
+                          self.key_retention, dense=dense, slots=slots, state=self.layer(layer), max_context=context,
                           scratch=self._scratch(context), use_triton=use_triton)
-        safe = self._safe(slots)
-        # rows not playing the part (a graph's) leave their slot alone: the sink takes their write
-        self.present[safe if ok is None else torch.where(ok, safe, self.num_slots), layer] = run
+        self.present[mark, layer] = run
 
     def scores_for(self, sources: int, context: int) -> torch.Tensor | None:
         """The scratch view a dense launch can store `sources` rows' scores in at this
@@ -213,30 +226,45 @@ class DecodeReferences:
         rows = self.scratch.numel() // (heads * context)
         return self.scratch[: rows * heads * context].view(rows, heads, context)
 
-    def _correct(self, layer: int, r: torch.Tensor, ok: torch.Tensor | None, q: torch.Tensor, out: torch.Tensor,
-                 positions: torch.Tensor, token_slots: torch.Tensor, read: KeyReader, use_triton: bool,
-                 exited: torch.Tensor | None, fallback: Callable[[torch.Tensor], None] | None) -> None:
-        slots = token_slots[r]
-        run = _running(r, ok, exited)
-        present = self.present[self._safe(slots), layer]  # a missing state is never read
-        if fallback is not None:  # the dense output of rows whose state is missing
-            need = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-            need[r] = ~present & run
+    def _correct(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
+                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None,
+                 fallback: Callable[[torch.Tensor], None] | None) -> None:
+        r = rows.correction
+        if layer == 0 or "correction" not in rows.memo:  # the pass's first layer
+            slots = rows.pick(token_slots, r)
+            run = _running(rows, r, rows.correction_ok, exited)
+            # A source pass writes every layer's state of its tokens, so the first layer's
+            # presence is every layer's; a missing state is never read.
+            present = self.present[self._safe(slots), layer]
+            missing = ~present & run
+            need = None
+            if fallback is not None:  # the dense output of rows whose state is missing
+                if rows.every:
+                    need = missing
+                else:
+                    need = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+                    need[r] = missing
+            self.fallbacks += missing.sum()
+            rows.memo["correction"] = (slots, torch.where(present & run, rows.pick(positions, r), -1), need)
+        slots, at, need = rows.memo["correction"]
+        if fallback is not None:
             fallback(need)
-        at = torch.where(present & run, positions[r], -1)
         k_cache, v_cache, tables, offsets, page_size = read(r)
+        if rows.every:  # corrected in place: rows that run no correction are left as they are
+            decode_correction(q.contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
+                              state=self.layer(layer), out=out, use_triton=use_triton)
+            return
         corrected = out[r]  # dense where no correction runs
         decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
                           state=self.layer(layer), out=corrected, use_triton=use_triton)
         out[r] = corrected
-        if layer == 0:
-            self.fallbacks += (~present & run).sum()
 
 
-def _running(r: torch.Tensor, ok: torch.Tensor | None, exited: torch.Tensor | None) -> torch.Tensor:
+def _running(rows: SparseRows, r: torch.Tensor, ok: torch.Tensor | None,
+             exited: torch.Tensor | None) -> torch.Tensor:
     """[n] bool: rows r that play the part (`ok`) and whose token has not exited."""
     run = torch.ones(r.shape, dtype=torch.bool, device=r.device) if ok is None else ok
-    return run if exited is None else run & ~exited[r]
+    return run if exited is None else run & ~rows.pick(exited, r)
 
 
 KeyReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]
@@ -246,9 +274,9 @@ planes' reads)."""
 
 
 def paged_reader(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
-                 page_size: int) -> KeyReader:
-    """Keys in one layer of the BF16 page pool."""
-    return lambda r: (k_cache, v_cache, tables, table_offsets[r].contiguous(), page_size)
+                 page_size: int, every: bool = False) -> KeyReader:
+    """Keys in one layer of the BF16 page pool (`every`: the rows asked for are every row)."""
+    return lambda r: (k_cache, v_cache, tables, table_offsets if every else table_offsets[r].contiguous(), page_size)
 
 
 def gathered_reader(read_keys: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], longest: int,
