@@ -18,6 +18,10 @@ group, which share the group's page table (one depth plane of one request).
 - returns out [N, Hq, D] (q's dtype) and, with `return_lse`, lse [N, Hq] (fp32 natural log
   of the softmax denominator of the scaled scores; sparse decode attention needs it).
   Rows no tile covers are left unwritten.
+- `scores` / `score_rows` (optional, STORE_SCORES): each row with a scores row r >= 0 also
+  stores its scaled scores of keys 0..pos into scores[r] (fp32, [R, Hq, keys]), which
+  sparse decode's select kernel reads (`sparse_decode.decode_select`) instead of reading
+  K a second time.
 
 Inside a program the M dimension of the score tile is (row of the tile, query head of the
 KV head), so GQA heads and a verification's rows share every key tile that is loaded.

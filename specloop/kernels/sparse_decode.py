@@ -6,6 +6,12 @@
     decode_correction(q3, k_cache, v_cache, tables, positions, offsets3, page_size,
                       slots=slots, state=state, out=out3)                  # loops 3, 4
 
+or, at loop 2, with the scores kept by the dense launch itself (Triton only):
+
+    out2, lse = paged_attention(..., return_lse=True, scores=scratch, score_rows=rows)
+    decode_select(v_cache, tables, positions, offsets2, page_size, key_retention,
+                  dense=out2, lse=lse, scores=scratch, slots=slots, state=state, max_context=L)
+
 A generated (decode) row at loop 2 attends to all its causal keys and keeps, per query
 head, the top-b keys of its probabilities; at loops >= 3 it reads only those keys of that
 depth and corrects the result with what loop 2 saw of the rest:
@@ -61,7 +67,8 @@ scores; the host loops over the N rows R at a time, both kernels per chunk):
    count; two waves of the GPU, shares of at least 256 keys): batch 1 at 32K keys with 16 KV
    heads on the H200's 132 SMs gets 17 splits, batch 32 gets 1.
 2. `_select_kernel`, grid (R, Hq), one program per (row, query head) over its scratch row:
-   pass 1: lse (a running max and sum per lane); P = exp(s - lse), recomputed by the same
+   pass 1: lse (a running max and sum per lane; `decode_select` takes the dense launch's
+   lse instead and skips this pass, its scores having been stored by that launch); P = exp(s - lse), recomputed by the same
    expression in every later pass. P is a nonnegative fp32 below 2, so its bits, as int32,
    order like its values and fit in 30 bits. A radix select over those bits, most
    significant digit first (8-bit digits: 4 passes of `tl.histogram` with a mask, each
