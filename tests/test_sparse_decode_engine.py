@@ -218,7 +218,7 @@ def test_triton_fallback_runs_missing_rows_dense(tiny_ckpt, monkeypatch):
 
     def forget(self, layer, *args, **kwargs):
         write(self, layer, *args, **kwargs)
-        self.present[:, layer] = False
+        self.present[:] = False  # (a source marks every layer present at its last one)
     monkeypatch.setattr(DecodeReferences, "_source", forget)
     engine = _engine(tiny_ckpt, attention_backend="triton")
     got = run_all(engine, PROMPTS[:2], GREEDY)
@@ -446,8 +446,9 @@ def test_a_missing_reference_runs_the_fallback():
     positions, slots = torch.tensor([9, 12, 10, 11, 0]), torch.tensor([0, 1, 2, 3, 99])
     q = torch.randn(5, 2, 8)
     out = torch.zeros(5, 2, 8)
-    refs.attend(0, SparseRows(torch.tensor([2]), torch.zeros(0, dtype=torch.long)), q, out.clone(), positions,
-                slots, read, False, 16)  # slot 2's state, not slot 3's
+    for layer in range(2):  # slot 2's state, not slot 3's (present once the last layer ran)
+        refs.attend(layer, SparseRows(torch.tensor([2]), torch.zeros(0, dtype=torch.long)), q, out.clone(),
+                    positions, slots, read, False, 16)
     asked = []
 
     def fallback(need: torch.Tensor) -> None:
@@ -485,3 +486,18 @@ def test_a_missing_reference_is_never_read():
     assert torch.equal(out, dense) and not bool(refs.present[2].any())
     out = refs.attend(0, rows, q, dense.clone(), *args, exited=gone)
     assert torch.equal(out, dense) and int(refs.fallbacks) == 1
+
+
+def test_a_source_marks_its_state_present_at_its_last_layer():
+    """A source pass marks its slots' state present for every layer once its last layer has
+    written it (one write a pass); rows playing no part leave their slots alone."""
+    refs, read = _roles_setup()
+    positions, slots = torch.tensor([9, 12, 10, 11, 0]), torch.tensor([0, 1, 2, 3, 99])
+    q, out = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    every = torch.arange(5)
+    rows = SparseRows(every, every, torch.tensor([True, False, True, False, False]),
+                      torch.zeros(5, dtype=torch.bool), every=True)
+    refs.attend(0, rows, q, out.clone(), positions, slots, read, False, 16)
+    assert not bool(refs.present.any())
+    refs.attend(1, rows, q, out.clone(), positions, slots, read, False, 16)
+    assert refs.present[:4].tolist() == [[True, True], [False, False], [True, True], [False, False]]

@@ -288,9 +288,10 @@ class TritonAttention:
             kept = None
         else:
             def dense(tiles: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+                # (only the fallback's: a missing state is rare, one program per tile and head
+                # needs no partials and no combine launch)
                 return paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, tiles,
-                                       self.kv.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits,
-                                       out=out)[0]
+                                       self.kv.page_size, tile_rows=meta.tile_rows, num_splits=1, out=out)[0]
             scores = meta.sparse.scores if meta.sparse is not None else None
             out, lse = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions,
                                        meta.tiles, self.kv.page_size, tile_rows=meta.tile_rows,

@@ -208,7 +208,8 @@ class DecodeReferences:
             decode_source(rows.pick(q, r).contiguous(), k_cache, v_cache, tables, at, offsets, page_size,
                           self.key_retention, dense=dense, slots=slots, state=self.layer(layer), max_context=context,
                           scratch=self._scratch(context), use_triton=use_triton)
-        self.present[mark, layer] = run
+        if layer == self.present.shape[1] - 1:  # every layer's state is written: one write for all
+            self.present[mark] = run[:, None].expand(-1, self.present.shape[1])
 
     def scores_for(self, sources: int, context: int) -> torch.Tensor | None:
         """The scratch view a dense launch can store `sources` rows' scores in at this
