@@ -15,7 +15,7 @@
 # the packed reader's kernel tests and its engine and graph-replay tests only; PART=sparse-decode
 # the sparse decode kernels' and engine's GPU tests, the no-sync cases, the feature matrix's graph
 # cells (greedy) and bench/sparse_decode_kernels.py; PART=flashloop-speed bench/flashloop_speed.py (SPEC,
-# VARIANTS, CASES). Unset: tests,
+# VARIANTS, CASES); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -75,6 +75,15 @@ if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine
   TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py
   TAIL=12 step 300 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py -k "graph and ${CELLS:-greedy}"
   TAIL=12 step 100 python bench/sparse_decode_kernels.py --reps 10 --out "$OUT/sparse_decode_kernels_h200.json"
+  exit 0
+fi
+if [ "$PART" = sparse-profile ]; then  # where a decode step's time goes, dense and with sparse decode attention, 8K
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  for v in dense sparse; do
+    sda=(); [ "$v" = sparse ] && sda=(--sparse-decode-attention '{}')
+    TAIL=50 step 250 python bench/profile_decode.py --model /tmp/ouro14 --prompt 8192 --batches 1,16 --steps 20 \
+      --max-model-len 33024 --top 20 "${sda[@]}" --out "$OUT/profile_decode_${v}_8k_h200.json"
+  done
   exit 0
 fi
 if [ "$PART" = flashloop-speed ]; then  # bench/flashloop_speed.py: SPEC (none,block) and VARIANTS, CASES

@@ -3,9 +3,10 @@
     python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b
     python bench/profile_decode.py --model /tmp/ouro14 --out bench/results/profile_decode_h200.json
 
-Batch-1 (and batch-32) greedy decode after a 1K prompt, random ouro-1.4b bf16, defaults
-(triton backend, CUDA graphs unless --enforce-eager). Over a window of decode steps it
-records:
+Batch-1 (and batch-32: --batches) greedy decode after a --prompt-token prompt (1K), random
+ouro-1.4b bf16, defaults (triton backend, CUDA graphs unless --enforce-eager), optionally
+with sparse decode attention (--sparse-decode-attention '{}'). Over a window of decode
+steps it records:
 - host time per step, split into planning (Scheduler.schedule), building the forward
   batch, enqueueing the call (Runner.execute minus the build), waiting for the result
   (Ticket.result) and committing (the rest of EngineCore.step);
@@ -44,11 +45,11 @@ def _timed(obj, name: str, bucket: str, acc: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def _case(engine: EngineCore, batch: int, steps: int, vocab: int) -> dict:
+def _case(engine: EngineCore, batch: int, steps: int, vocab: int, prompt: int = 1024, top: int = 12) -> dict:
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=steps * 3 + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", torch.randint(3, vocab, (1024,), generator=gen).tolist(), params)
+        engine.add_request(f"b{batch}-{i}", torch.randint(3, vocab, (prompt,), generator=gen).tolist(), params)
     while engine.executor.num_submitted < 8 or any(r.produced < 4 for r in engine.requests.values()):
         engine.step()  # past the prefill: every request decodes
     acc: dict[str, float] = collections.defaultdict(float)
@@ -92,11 +93,11 @@ def _case(engine: EngineCore, batch: int, steps: int, vocab: int) -> dict:
     host = {k: 1e3 * v / steps for k, v in acc.items()}
     host["enqueue"] = host.get("execute", 0) - host.get("build", 0)  # execute includes the build
     host["commit_and_rest"] = 1e3 * wall / steps - sum(host[k] for k in ("plan", "execute", "wait"))
-    return {"batch": batch, "steps": steps, "calls": calls, "wall_ms_per_step": 1e3 * wall / steps,
+    return {"batch": batch, "prompt": prompt, "steps": steps, "calls": calls, "wall_ms_per_step": 1e3 * wall / steps,
             "tokens_per_s": batch * steps / wall, "host_ms_per_step": host,
             "kernel_ms_per_step": kernel_us / 1e3 / steps,
             "gpu_idle_fraction": max(0.0, 1 - (kernel_us / 1e6 / steps) / (wall / steps)),
-            "top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in kernels.most_common(12)}}
+            "top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in kernels.most_common(top)}}
 
 
 def main() -> None:
@@ -105,18 +106,27 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens of each request")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--sparse-decode-attention", default=None, help="JSON, e.g. '{}' (default: off)")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     args = p.parse_args()
+    extra = {"sparse_decode_attention": json.loads(args.sparse_decode_attention)} \
+        if args.sparse_decode_attention is not None else {}
+    if args.max_model_len is not None:
+        extra["max_model_len"] = args.max_model_len
     engine = EngineCore(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_num_seqs=64,
-                                     max_num_batched_tokens=2048, enforce_eager=args.enforce_eager))
+                                     max_num_batched_tokens=2048, enforce_eager=args.enforce_eager, **extra))
     vocab = engine.model.config.vocab_size
-    cases = [_case(engine, b, args.steps, vocab) for b in (1, 32)]
+    cases = [_case(engine, int(b), args.steps, vocab, args.prompt, args.top) for b in args.batches.split(",")]
     record = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "engine": engine.config.summary(), "cases": cases}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     for c in cases:
         print(json.dumps({k: c[k] for k in ("batch", "wall_ms_per_step", "tokens_per_s", "kernel_ms_per_step",
                                             "gpu_idle_fraction", "host_ms_per_step")}))
-        for k, v in list(c["top_kernels_ms_per_step"].items())[:8]:
+        for k, v in list(c["top_kernels_ms_per_step"].items())[:args.top]:
             print(f"   {v:8.3f} ms  {k[:100]}")
 
 
