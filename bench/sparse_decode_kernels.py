@@ -20,6 +20,9 @@ the loop-2 source's scores kernel and select kernel alone, and the whole source
 engine runs when the scratch holds every source row costs `fused_source_ms` =
 dense_scores - dense + select_lse on top of the dense loop.
 
+`select_lse_split{k}@{block}_ms` times that select split over k programs per row and
+head (`Blocks.select_splits`; `--split-variants`).
+
 Each `*_ms` is the GPU time per call inside a CUDA graph (`--graph-calls` calls captured
 in one graph, replayed, the median replay divided by the calls), as the engine runs these
 kernels; `*_eager_ms` times one eager call between events, which adds the host's launch
@@ -39,7 +42,7 @@ import torch
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention, query_tiles
 from specloop.kernels.sparse_decode import (
     SCRATCH_BYTES, Blocks, SlotState, _launch_scores, _launch_select, _num_sms, correction_splits, correction_triton,
-    decode_correction, decode_select, decode_source, key_budget, score_splits, scratch_rows,
+    decode_correction, decode_select, decode_source, key_budget, score_splits, scratch_rows, select_splits,
 )
 
 from packed_reader_sweep import time_ms  # noqa: E402 -- bench/ is the script's folder
@@ -83,6 +86,9 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--graph-calls", type=int, default=20)
+    p.add_argument("--split-variants", default="auto@512,4@1024,8@512,16@256",
+                   help="decode_select split over programs per row and head, timed in graphs: splits (auto: "
+                        "`select_splits`) @ select block")
     p.add_argument("--select-variants", default="8,11,c4@512,c5@256",
                    help="select kernels also timed (graphs): radix bits, c for counting by compare, @ select block")
     args = p.parse_args()
@@ -176,6 +182,18 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
             correction_triton(q, k, v, tables, positions, offsets, args.page, slots=slots, state=state, out=out,
                               blocks=Blocks(correction_splits=splits))
         row[f"correction_splits{splits}_ms"] = graph_time_ms(correction_fixed, args.reps, args.graph_calls)
+    if fused:
+        dense_scores()
+        for variant in filter(None, args.split_variants.split(",")):
+            count, _, block = variant.partition("@")
+            block = int(block) if block else Blocks().select
+            splits = (select_splits(batch, args.heads, length, _num_sms(device), block) if count == "auto"
+                      else int(count))
+
+            def split_select(blocks=Blocks(select=block, select_splits=splits)):
+                decode_select(v, tables, positions, offsets, args.page, args.retention, dense=dense_out, lse=lse,
+                              scores=scratch, slots=slots, state=state, max_context=length, blocks=blocks)
+            row[f"select_lse_split{splits}@{block}_ms"] = graph_time_ms(split_select, args.reps, args.graph_calls)
     named = [("dense_ms", dense), ("scores_ms", scores), ("select_ms", select), ("source_ms", source),
              ("correction_ms", correction)]
     if fused:

@@ -269,26 +269,42 @@ def _tie_case(dtype: torch.dtype) -> Case:
                                v=case.v.to(dtype), dense=case.dense.to(dtype))
 
 
-@pytest.mark.parametrize("dtype, splits", [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 2)])
-def test_scores_kept_by_the_dense_launch_give_the_source_state(dtype, splits):
-    """The fused source: `paged_attention` stores the scored rows' scores and gives their lse,
-    then `decode_select` alone gives `source_reference`'s state. Rows with score row -1 (the
-    second source row here) leave the scores untouched, and storing them changes neither the
-    output nor the lse."""
-    retention = 0.1
-    case = _separated_case(41, retention, dtype=dtype)
+def _kept_scores(case: Case, scored: list[int], splits: int, max_context: int = MAX_CONTEXT):
+    """The dense launch over the case's real rows at depth 2, keeping the scores of rows
+    `scored` (scores row k for the k-th) and every row's lse: (dense, lse, scores, plain
+    dense, plain lse), the last two from the same launch without scores."""
     heads = case.q2.shape[1]
     tile_rows = max(1, 16 // block_g(heads, case.k.shape[1]))
-    real = [i for i, pos in enumerate(PADDED) if pos >= 0]
+    real = [i for i, pos in enumerate(case.positions.tolist()) if pos >= 0]
     tiles = torch.tensor([(i, 1, int(case.off2[i])) for i in real], device=DEVICE).view(-1, 3)
-    scored = [i for i in real if i != real[1]]
-    score_rows = torch.full((len(PADDED),), -1, dtype=torch.int32, device=DEVICE)
+    score_rows = torch.full((case.positions.shape[0],), -1, dtype=torch.int32, device=DEVICE)
     score_rows[scored] = torch.arange(len(scored), dtype=torch.int32, device=DEVICE)
-    scores = torch.full((len(scored) + 1, heads, MAX_CONTEXT), -7.0, device=DEVICE)
+    scores = torch.full((len(scored) + 1, heads, max_context), -7.0, device=DEVICE)
     args = (case.q2, case.k, case.v, case.tables, case.positions, tiles, case.page_size)
     plain, plain_lse = paged_attention(*args, tile_rows=tile_rows, num_splits=splits, return_lse=True)
     dense, lse = paged_attention(*args, tile_rows=tile_rows, num_splits=splits, return_lse=True, scores=scores,
                                  score_rows=score_rows)
+    return dense, lse, scores, plain, plain_lse
+
+
+SPLIT_SELECT = Blocks(select=32, gather=16, select_splits=3)  # shares of 96 keys of a 200-key row
+
+
+@pytest.mark.parametrize("dtype, splits, blocks", [
+    (torch.float32, 1, Blocks()), (torch.bfloat16, 3, Blocks()), (torch.float16, 2, Blocks()),
+    (torch.float32, 1, SPLIT_SELECT), (torch.bfloat16, 2, SPLIT_SELECT),
+    (torch.float32, 3, dataclasses.replace(SPLIT_SELECT, select_splits=7, radix_bits=11)),  # some splits empty
+])
+def test_scores_kept_by_the_dense_launch_give_the_source_state(dtype, splits, blocks):
+    """The fused source: `paged_attention` stores the scored rows' scores and gives their lse,
+    then `decode_select` alone (one program per row and head, or split over several) gives
+    `source_reference`'s state. Rows with score row -1 (the second source row here) leave
+    the scores untouched, and storing them changes neither the output nor the lse."""
+    retention = 0.1
+    case = _separated_case(41, retention, dtype=dtype)
+    real = [i for i, pos in enumerate(PADDED) if pos >= 0]
+    scored = [i for i in real if i != real[1]]
+    dense, lse, scores, plain, plain_lse = _kept_scores(case, scored, splits)
     assert torch.equal(dense[real], plain[real]) and torch.equal(lse[real], plain_lse[real])
     assert (scores[-1] == -7).all(), "a row without a scores row wrote one"
     for r, i in enumerate(scored):  # keys past a row's position are not written either
@@ -300,8 +316,28 @@ def test_scores_kept_by_the_dense_launch_give_the_source_state(dtype, splits):
                                slots=case.slots[at], dense=case.dense[at])
     source_reference(*rows.source_args(), retention, dense=rows.dense, slots=rows.slots, state=want)
     decode_select(case.v, case.tables, rows.positions, rows.off2, case.page_size, retention, dense=rows.dense,
-                  lse=lse[at].contiguous(), scores=scores, slots=rows.slots, state=got, max_context=MAX_CONTEXT)
+                  lse=lse[at].contiguous(), scores=scores, slots=rows.slots, state=got, max_context=MAX_CONTEXT,
+                  blocks=blocks)
     _state_close(got, want, rows, dtype, retention)
+
+
+def test_the_split_select_breaks_ties_across_splits():
+    """Row 0's equal keys run over both splits of 32 keys, the last one kept in the first
+    split, and its top key sits in the second; padding rows write nothing."""
+    case = _tie_case(torch.float32)
+    dense, lse, scores, _, _ = _kept_scores(case, [0, 1], 1, max_context=48)
+    state = _fill(case.state(5))
+    decode_select(case.v, case.tables, case.positions, case.off2, case.page_size, 0.1, dense=dense, lse=lse,
+                  scores=scores, slots=case.slots, state=state, max_context=48,
+                  blocks=Blocks(select=32, gather=16, select_splits=2))
+    for i, keys in enumerate([[5, 12, 20, 24, 45], [0, 10]]):
+        assert _kept(state, int(case.slots[i])).tolist() == [keys] * case.q2.shape[1]
+    want = case.state(5)
+    source_reference(*case.source_args(), 0.1, dense=dense, slots=case.slots, state=want)
+    for i in range(2):
+        slot = int(case.slots[i])
+        for name in ("mass", "c_ref", "o_ref"):
+            _close(getattr(state, name)[slot], getattr(want, name)[slot], STATE_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks()),

@@ -119,8 +119,20 @@ rounded once to DT. Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl
 interpreter's bf16 dot is wrong) and bf16 outputs are rounded by hand
 (`rounding.round_to`), see ../shared/docs/gpu.md.
 
+The split select (`Blocks.select_splits` > 1, `decode_select` only): `splits` programs
+per (row, query head) each take a share of whole select blocks. One launch per digit adds
+each share's histogram of the digit to the (row, head)'s global one (`tl.atomic_add`; the
+launch boundary orders the digits); every program re-derives the prefix from the global
+histograms, so all of them agree on T and `need` without talking. A count launch gives
+each share's keys above T and equal to it; the write launch starts each share's kept keys
+at the offset the earlier shares' counts give (equal keys still go to the lowest
+positions) and sums its kept keys' m and C_ref into a partial; a finish launch adds the
+partials and writes the slot. Same kept set as the one-program select; sums in another
+order. Not the default (1) until it is measured on the H200 (`select_splits` chooses
+splits for two waves).
+
 Not done: packed INT4 tiles (the runtime gathers reconstructed keys into a paged scratch
-for these kernels, `runtime.sparse_decode.gathered_reader`); the select kernel has Hq
+for these kernels, `runtime.sparse_decode.gathered_reader`); the one-program select has Hq
 programs per row, so at batch 1 it runs on 16 of 132 SMs, its passes bound by latency
 (lse could come from the scores kernel, one pass fewer, and the V gather is not
 software-pipelined); block sizes and warps are barely measured on the H200 (`Blocks`;
@@ -184,6 +196,7 @@ class Blocks:
     select_warps: int = 8
     splits: int | None = None
     correction_splits: int | None = None  # programs per (row, KV head) of the correction; None: `correction_splits`
+    select_splits: int | None = 1  # programs per (row, head) of `decode_select`'s select; None: `select_splits`
 
 
 def scratch_rows(num_heads: int, max_context: int, budget_bytes: int) -> int:
@@ -201,6 +214,13 @@ def score_splits(rows: int, num_kv_heads: int, max_context: int, num_sms: int) -
     two waves of the GPU, no share under 256 keys (`paged_attention.choose_splits`); batch 1
     at 32K keys and 16 KV heads on 132 SMs gets 17."""
     return choose_splits(rows, num_kv_heads, max_context, num_sms)
+
+
+def select_splits(rows: int, num_heads: int, max_context: int, num_sms: int, block: int) -> int:
+    """Programs per (row, query head) of the split select, from static values only: two
+    waves of the GPU, shares of at least two select blocks, at most 32 (1: the one-program
+    select). Not the default yet (`Blocks.select_splits` is 1): unmeasured on the H200."""
+    return choose_splits(rows, num_heads, max_context, num_sms, min_keys=2 * block, max_splits=32)
 
 
 def correction_splits(rows: int, num_kv_heads: int, capacity: int, num_sms: int) -> int:
@@ -431,22 +451,35 @@ def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.conste
                 hist += tl.sum(((digit_of[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32), axis=0)
             else:
                 hist += tl.histogram(digit_of, BINS, mask=ok)
-        at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys whose digit is >= each bin
-        value = tl.max(tl.where(at_least >= need, bins, 0), axis=0)  # the digit of the need-th
-        need -= tl.sum(tl.where(bins == value, at_least - hist, 0), axis=0)  # minus those above it
-        prefix = prefix | (value << shift)
+        prefix, need = _digit_step(hist, bins, prefix, need, shift)
     return prefix, need
+
+
+@triton.jit
+def _digit_step(hist, bins, prefix, need, shift):
+    """One digit of the radix select: from the digit's histogram over the keys matching
+    the prefix so far, the digit of the need-th largest and its rank among the keys that
+    share it."""
+    at_least = tl.cumsum(hist, axis=0, reverse=True)  # keys whose digit is >= each bin
+    value = tl.max(tl.where(at_least >= need, bins, 0), axis=0)  # the digit of the need-th
+    need -= tl.sum(tl.where(bins == value, at_least - hist, 0), axis=0)  # minus those above it
+    return prefix | (value << shift), need
 
 
 @triton.jit
 def _write_kept(x_row, keys_row, n, lse, threshold, need, b, BLOCK_S: tl.constexpr):
     """Keys 0..n-1 in order: keep P > T and the first `need` keys with P == T; write their
     positions compacted (ascending) to keys_row[0..b)."""
-    kept = b * 0  # kept so far
-    ties = b * 0  # keys equal to T seen so far
-    for start in range(0, n, BLOCK_S):
+    _write_kept_range(x_row, keys_row, 0, n, lse, threshold, need, b, b * 0, b * 0, BLOCK_S)
+
+
+@triton.jit
+def _write_kept_range(x_row, keys_row, lo, hi, lse, threshold, need, b, kept, ties, BLOCK_S: tl.constexpr):
+    """`_write_kept` over keys lo..hi-1, given `kept` keys kept and `ties` keys equal to T
+    seen before lo; returns the kept count after hi."""
+    for start in range(lo, hi, BLOCK_S):
         j = start + tl.arange(0, BLOCK_S)
-        ok = j < n
+        ok = j < hi
         _, x = _probs(x_row, j, ok, lse)
         above = (ok & (x > threshold)).to(tl.int32)
         tie = (ok & (x == threshold)).to(tl.int32)
@@ -460,16 +493,19 @@ def _write_kept(x_row, keys_row, n, lse, threshold, need, b, BLOCK_S: tl.constex
         tl.store(keys_row + at, j.to(tl.int32), mask=keep & (at < b))
         kept += tl.sum(above | tie_ok, axis=0)
         ties += tl.sum(tie, axis=0)
+    return kept
 
 
 @triton.jit
 def _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, kv_head, stride_vs, stride_vh, n, lse, b,
-               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    """m = sum P and C_ref = sum P V over the b kept keys (V through the page table)."""
+               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               first=0):
+    """m = sum P and C_ref = sum P V over kept entries first..b-1 (all b by default; V
+    through the page table)."""
     d = tl.arange(0, BLOCK_D)
     mass = tl.zeros([BLOCK_V], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(0, b, BLOCK_V):
+    for start in range(first, b, BLOCK_V):
         i = start + tl.arange(0, BLOCK_V)
         ok = i < b
         j = tl.load(keys_row + i, mask=ok, other=0, cache_modifier=".cg")  # written by this program
@@ -519,6 +555,173 @@ def _select_kernel(
                                  n, lse, b, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
+        dense = tl.load(dense_ptr + row * stride_dn + head * stride_dh + d, mask=d_ok, other=0.0)
+        tl.store(o_ref_ptr + at * HEAD_DIM + d, dense.to(tl.float32), mask=d_ok)
+        tl.store(c_ref_ptr + at * HEAD_DIM + d, c_ref, mask=d_ok)
+        tl.store(mass_ptr + at, mass)
+        if head == 0:
+            tl.store(count_ptr + slot, b)
+
+
+# The select split over `splits` programs per (row, query head), for small batches, where
+# one program per (row, head) leaves most of the GPU idle. Its rows' scores and lse come
+# from the dense launch (`decode_select`); the launches share global per-digit histograms
+# (a launch boundary orders each digit after the last), then the keys kept and tied per
+# split, then partial sums. Every program of a (row, head) derives the threshold from the
+# histograms alone, so the kept set is the one-program select's.
+
+@triton.jit
+def _split_share(n, split, splits, BLOCK_S: tl.constexpr):
+    """A split's keys lo..hi-1 of 0..n-1 (shares of whole blocks; late splits may be empty)."""
+    share = tl.cdiv(tl.cdiv(n, splits), BLOCK_S) * BLOCK_S
+    lo = split * share
+    return lo, tl.minimum(n, lo + share)
+
+
+@triton.jit
+def _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num, den, splits, BLOCK_S: tl.constexpr):
+    """The program's row, head and split; its position, n, budget b, lse and key range."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    n = tl.maximum(tl.minimum(pos + 1, max_context), 0)
+    b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
+    lse = tl.load(lse_ptr + row * stride_ln + head, mask=pos >= 0, other=0.0)
+    lo, hi = _split_share(n, split, splits, BLOCK_S)
+    return row, head, split, pos, n, b, lse, lo, hi
+
+
+@triton.jit
+def _threshold(hist_row, b, DIGIT: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """(prefix, need) after the first DIGIT digits, from their global histograms."""
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
+    bins = tl.arange(0, BINS)
+    need = b
+    prefix = b * 0
+    for digit in tl.static_range(DIGIT):
+        prefix, need = _digit_step(tl.load(hist_row + digit * BINS + bins), bins, prefix, need,
+                                   (DIGITS - 1 - digit) * RADIX_BITS)
+    return prefix, need
+
+
+@triton.jit
+def _split_digit_kernel(
+    scratch_ptr, positions_ptr, lse_ptr, hist_ptr, stride_xr, stride_xh, stride_ln, num_heads, max_context, num,
+    den, splits,
+    DIGIT: tl.constexpr, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """Per (row, head, split): its keys' histogram of digit DIGIT among those matching the
+    prefix the earlier digits fixed, added to the (row, head)'s global histogram."""
+    row, head, split, pos, n, b, lse, lo, hi = _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num,
+                                                         den, splits, BLOCK_S)
+    if lo < hi:
+        BINS: tl.constexpr = 1 << RADIX_BITS
+        DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
+        shift: tl.constexpr = (DIGITS - 1 - DIGIT) * RADIX_BITS
+        hist_row = hist_ptr + (row * num_heads + head) * (DIGITS * BINS)
+        prefix, _ = _threshold(hist_row, b, DIGIT, RADIX_BITS)
+        x_row = scratch_ptr + row * stride_xr + head * stride_xh
+        hist = tl.zeros([BINS], tl.int32)
+        for start in range(lo, hi, BLOCK_S):
+            j = start + tl.arange(0, BLOCK_S)
+            ok = j < hi
+            _, x = _probs(x_row, j, ok, lse)
+            if DIGIT > 0:
+                ok = ok & ((x >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
+            hist += tl.histogram((x >> shift) & (BINS - 1), BINS, mask=ok)
+        tl.atomic_add(hist_row + DIGIT * BINS + tl.arange(0, BINS), hist)
+
+
+@triton.jit
+def _split_count_kernel(
+    scratch_ptr, positions_ptr, lse_ptr, hist_ptr, counts_ptr, stride_xr, stride_xh, stride_ln, num_heads,
+    max_context, num, den, splits,
+    BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """Per (row, head, split): how many of its keys lie above the threshold T and equal it."""
+    row, head, split, pos, n, b, lse, lo, hi = _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num,
+                                                         den, splits, BLOCK_S)
+    if lo < hi:
+        BINS: tl.constexpr = 1 << RADIX_BITS
+        DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
+        hist_row = hist_ptr + (row * num_heads + head) * (DIGITS * BINS)
+        threshold, _ = _threshold(hist_row, b, DIGITS, RADIX_BITS)
+        x_row = scratch_ptr + row * stride_xr + head * stride_xh
+        above = b * 0
+        ties = b * 0
+        for start in range(lo, hi, BLOCK_S):
+            j = start + tl.arange(0, BLOCK_S)
+            ok = j < hi
+            _, x = _probs(x_row, j, ok, lse)
+            above += tl.sum((ok & (x > threshold)).to(tl.int32), axis=0)
+            ties += tl.sum((ok & (x == threshold)).to(tl.int32), axis=0)
+        at = ((row * num_heads + head) * splits + split) * 2
+        tl.store(counts_ptr + at, above)
+        tl.store(counts_ptr + at + 1, ties)
+
+
+@triton.jit
+def _split_write_kernel(
+    scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, lse_ptr, hist_ptr, counts_ptr,
+    part_ptr, keys_ptr, stride_xr, stride_xh, stride_vs, stride_vh, stride_ln, num_heads, capacity, max_context,
+    num, den, splits,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """Per (row, head, split): its kept keys' positions, at the offset the earlier splits'
+    counts give, then m and C_ref summed over them into the split's partial [1 + D]."""
+    row, head, split, pos, n, b, lse, lo, hi = _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num,
+                                                         den, splits, BLOCK_S)
+    if lo < hi:
+        BINS: tl.constexpr = 1 << RADIX_BITS
+        DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
+        hist_row = hist_ptr + (row * num_heads + head) * (DIGITS * BINS)
+        threshold, need = _threshold(hist_row, b, DIGITS, RADIX_BITS)
+        i = tl.arange(0, BLOCK_P)
+        earlier = i < split  # earlier splits are never empty: shares are cut from key 0
+        at = ((row * num_heads + head) * splits + i) * 2
+        above_before = tl.sum(tl.load(counts_ptr + at, mask=earlier, other=0), axis=0)
+        ties_before = tl.sum(tl.load(counts_ptr + at + 1, mask=earlier, other=0), axis=0)
+        first = above_before + tl.minimum(ties_before, need)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        keys_row = keys_ptr + (slot * num_heads + head) * capacity
+        x_row = scratch_ptr + row * stride_xr + head * stride_xh
+        last = _write_kept_range(x_row, keys_row, lo, hi, lse, threshold, need, b, first, ties_before, BLOCK_S)
+        tl.debug_barrier()  # the kept positions, written above by other threads, are read below
+        table = tl.load(offsets_ptr + row).to(tl.int64)
+        mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs, stride_vh,
+                                 n, lse, tl.minimum(last, b), PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D, first=first)
+        part = part_ptr + ((row * num_heads + head) * splits + split) * (1 + HEAD_DIM)
+        d = tl.arange(0, BLOCK_D)
+        tl.store(part, mass)
+        tl.store(part + 1 + d, c_ref, mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _split_finish_kernel(
+    positions_ptr, slots_ptr, dense_ptr, part_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr, stride_dn, stride_dh,
+    num_heads, max_context, num, den, splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Per (row, head): m and C_ref from the splits that held keys, O_ref, and the count."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    if pos >= 0:
+        n = tl.minimum(pos + 1, max_context)
+        b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
+        i = tl.arange(0, BLOCK_P)
+        lo, _ = _split_share(n, i, splits, BLOCK_S)
+        ran = (i < splits) & (lo < n)
+        part = part_ptr + ((row * num_heads + head) * splits + i) * (1 + HEAD_DIM)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        mass = tl.sum(tl.load(part, mask=ran, other=0.0), axis=0)
+        c_ref = tl.sum(tl.load(part[:, None] + 1 + d[None, :], mask=ran[:, None] & d_ok[None, :], other=0.0), axis=0)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        at = slot * num_heads + head
         dense = tl.load(dense_ptr + row * stride_dn + head * stride_dh + d, mask=d_ok, other=0.0)
         tl.store(o_ref_ptr + at * HEAD_DIM + d, dense.to(tl.float32), mask=d_ok)
         tl.store(c_ref_ptr + at * HEAD_DIM + d, c_ref, mask=d_ok)
@@ -733,9 +936,51 @@ def decode_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.
         "scores: fp32 [>= N, Hq, >= max_context]")
     assert dense.stride(2) == 1 and v_cache.stride(2) == 1, "the head dim must be contiguous"
     check_capacity(max_context, key_retention, state.keys.shape[2])
-    if n:
+    if n == 0:
+        return
+    splits = blocks.select_splits or select_splits(n, num_heads, max_context, _num_sms(dense.device), blocks.select)
+    if splits == 1:
         _launch_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, slots, state,
                        scores, 0, n, max_context, blocks, lse=lse)
+    else:
+        _launch_split_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, lse,
+                             scores, slots, state, max_context, splits, blocks)
+
+
+def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                         table_offsets: torch.Tensor, page_size: int, key_retention: float, dense: torch.Tensor,
+                         lse: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, state: SlotState,
+                         max_context: int, splits: int, blocks: Blocks) -> None:
+    """The select split over `splits` programs per (row, head): one histogram launch per
+    digit, the kept and tied counts per split, the kept keys with their partial sums, and
+    the finish (no host sync; a fixed launch sequence for fixed shapes)."""
+    n, num_heads, head_dim = dense.shape
+    num, den = retention_fraction(key_retention)
+    bins = 1 << blocks.radix_bits
+    digits = -(-30 // blocks.radix_bits)
+    hist = torch.zeros(n * num_heads * digits * bins, dtype=torch.int32, device=dense.device)
+    counts = torch.empty(n * num_heads * splits * 2, dtype=torch.int32, device=dense.device)
+    part = torch.empty(n * num_heads * splits * (1 + head_dim), dtype=torch.float32, device=dense.device)
+    grid = (n, num_heads, splits)
+    common = (scores.stride(0), scores.stride(1))
+    for digit in range(digits):
+        _split_digit_kernel[grid](scores, positions, lse, hist, *common, lse.stride(0), num_heads, max_context, num,
+                                  den, splits, DIGIT=digit, BLOCK_S=blocks.select, RADIX_BITS=blocks.radix_bits,
+                                  num_warps=blocks.select_warps)
+    _split_count_kernel[grid](scores, positions, lse, hist, counts, *common, lse.stride(0), num_heads, max_context,
+                              num, den, splits, BLOCK_S=blocks.select, RADIX_BITS=blocks.radix_bits,
+                              num_warps=blocks.select_warps)
+    block_p = max(2, triton.next_power_of_2(splits))
+    _split_write_kernel[grid](scores, v_cache, tables, positions, table_offsets, slots, lse, hist, counts, part,
+                              state.keys, *common, v_cache.stride(0), v_cache.stride(1), lse.stride(0), num_heads,
+                              state.keys.shape[2], max_context, num, den, splits, BLOCK_S=blocks.select,
+                              BLOCK_V=blocks.gather, BLOCK_P=block_p, RADIX_BITS=blocks.radix_bits,
+                              **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps)
+    _split_finish_kernel[(n, num_heads)](positions, slots, dense, part, state.count, state.mass, state.o_ref,
+                                         state.c_ref, dense.stride(0), dense.stride(1), num_heads, max_context, num,
+                                         den, splits, HEAD_DIM=head_dim, BLOCK_D=_shape(num_heads, v_cache,
+                                                                                         page_size)["BLOCK_D"],
+                                         BLOCK_S=blocks.select, BLOCK_P=block_p)
 
 
 def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
