@@ -321,6 +321,19 @@ def test_scores_kept_by_the_dense_launch_give_the_source_state(dtype, splits, bl
     _state_close(got, want, rows, dtype, retention)
 
 
+def test_kept_scores_never_pass_a_scores_row():
+    """A scores row shorter than a row's keys takes the keys it holds; the next row of the
+    scratch (the next source's) is not overwritten."""
+    case = _case(43, [150, 20])
+    heads = case.q2.shape[1]
+    tiles = torch.tensor([(0, 1, int(case.off2[0])), (1, 1, int(case.off2[1]))], device=DEVICE)
+    scores = torch.full((2, heads, 64), -7.0, device=DEVICE)
+    paged_attention(case.q2, case.k, case.v, case.tables, case.positions, tiles, case.page_size,
+                    tile_rows=max(1, 16 // block_g(heads, case.k.shape[1])), scores=scores,
+                    score_rows=torch.tensor([0, -1], dtype=torch.int32, device=DEVICE))
+    assert (scores[1] == -7).all() and (scores[0] != -7).all()
+
+
 def test_the_split_select_breaks_ties_across_splits():
     """Row 0's equal keys run over both splits of 32 keys, the last one kept in the first
     split, and its top key sits in the second; padding rows write nothing."""

@@ -19,7 +19,7 @@ group, which share the group's page table (one depth plane of one request).
   of the softmax denominator of the scaled scores; sparse decode attention needs it).
   Rows no tile covers are left unwritten.
 - `scores` / `score_rows` (optional, STORE_SCORES): each row with a scores row r >= 0 also
-  stores its scaled scores of keys 0..pos into scores[r] (fp32, [R, Hq, keys]), which
+  stores its scaled scores of keys 0..pos (below `keys`) into scores[r] (fp32, [R, Hq, keys]), which
   sparse decode's select kernel reads (`sparse_decode.decode_select`) instead of reading
   K a second time.
 
@@ -55,7 +55,7 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
-    stride_sr, stride_sh, num_heads, scale,
+    stride_sr, stride_sh, score_keys, num_heads, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, WRITE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr,
@@ -106,7 +106,8 @@ def _attention_kernel(
                 s = tl.dot(q, tl.trans(k))
             visible = j_ok[None, :] & (j[None, :] <= pos[:, None])
             if STORE_SCORES:
-                tl.store(score_row[:, None] + j[None, :], s * scale, mask=visible & (ok & (score_at >= 0))[:, None])
+                keep = visible & (j < score_keys)[None, :] & (ok & (score_at >= 0))[:, None]  # never past a row
+                tl.store(score_row[:, None] + j[None, :], s * scale, mask=keep)
             s = tl.where(visible, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -218,7 +219,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         scores.stride(0) if store_scores else 0, scores.stride(1) if store_scores else 0,
-        num_heads, head_dim ** -0.5,
+        scores.shape[2] if store_scores else 0, num_heads, head_dim ** -0.5,
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
         BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=num_splits, DOT_FP32=dot_fp32,
         WRITE_LSE=return_lse, STORE_SCORES=store_scores,
