@@ -521,6 +521,21 @@ def _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, kv_head, stride_vs, st
 
 
 @triton.jit
+def _store_state(dense_ptr, row, head, stride_dn, stride_dh, slot, at, b, mass, c_ref, count_ptr, mass_ptr,
+                 o_ref_ptr, c_ref_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (row, head)'s state into its slot: O_ref = the dense output in fp32, C_ref, m, and
+    (head 0) the count b."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    dense = tl.load(dense_ptr + row * stride_dn + head * stride_dh + d, mask=d_ok, other=0.0)
+    tl.store(o_ref_ptr + at * HEAD_DIM + d, dense.to(tl.float32), mask=d_ok)
+    tl.store(c_ref_ptr + at * HEAD_DIM + d, c_ref, mask=d_ok)
+    tl.store(mass_ptr + at, mass)
+    if head == 0:
+        tl.store(count_ptr + slot, b)
+
+
+@triton.jit
 def _select_kernel(
     scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, dense_ptr, lse_ptr,
     keys_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr,
@@ -553,14 +568,8 @@ def _select_kernel(
         table = tl.load(offsets_ptr + row).to(tl.int64)
         mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs, stride_vh,
                                  n, lse, b, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        dense = tl.load(dense_ptr + row * stride_dn + head * stride_dh + d, mask=d_ok, other=0.0)
-        tl.store(o_ref_ptr + at * HEAD_DIM + d, dense.to(tl.float32), mask=d_ok)
-        tl.store(c_ref_ptr + at * HEAD_DIM + d, c_ref, mask=d_ok)
-        tl.store(mass_ptr + at, mass)
-        if head == 0:
-            tl.store(count_ptr + slot, b)
+        _store_state(dense_ptr, row, head, stride_dn, stride_dh, slot, at, b, mass, c_ref, count_ptr, mass_ptr,
+                     o_ref_ptr, c_ref_ptr, HEAD_DIM, BLOCK_D)
 
 
 # The select split over `splits` programs per (row, query head), for small batches, where
@@ -635,6 +644,17 @@ def _split_digit_kernel(
 
 
 @triton.jit
+def _split_threshold(hist_ptr, scratch_ptr, row, head, num_heads, b, stride_xr, stride_xh,
+                     RADIX_BITS: tl.constexpr):
+    """The threshold T and `need` from every digit's global histogram of a (row, head), and
+    its scores row."""
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
+    threshold, need = _threshold(hist_ptr + (row * num_heads + head) * (DIGITS * BINS), b, DIGITS, RADIX_BITS)
+    return threshold, need, scratch_ptr + row * stride_xr + head * stride_xh
+
+
+@triton.jit
 def _split_count_kernel(
     scratch_ptr, positions_ptr, lse_ptr, hist_ptr, counts_ptr, stride_xr, stride_xh, stride_ln, num_heads,
     max_context, num, den, splits,
@@ -644,11 +664,8 @@ def _split_count_kernel(
     row, head, split, pos, n, b, lse, lo, hi = _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num,
                                                          den, splits, BLOCK_S)
     if lo < hi:
-        BINS: tl.constexpr = 1 << RADIX_BITS
-        DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
-        hist_row = hist_ptr + (row * num_heads + head) * (DIGITS * BINS)
-        threshold, _ = _threshold(hist_row, b, DIGITS, RADIX_BITS)
-        x_row = scratch_ptr + row * stride_xr + head * stride_xh
+        threshold, _, x_row = _split_threshold(hist_ptr, scratch_ptr, row, head, num_heads, b, stride_xr, stride_xh,
+                                               RADIX_BITS)
         above = b * 0
         ties = b * 0
         for start in range(lo, hi, BLOCK_S):
@@ -675,10 +692,8 @@ def _split_write_kernel(
     row, head, split, pos, n, b, lse, lo, hi = _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num,
                                                          den, splits, BLOCK_S)
     if lo < hi:
-        BINS: tl.constexpr = 1 << RADIX_BITS
-        DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
-        hist_row = hist_ptr + (row * num_heads + head) * (DIGITS * BINS)
-        threshold, need = _threshold(hist_row, b, DIGITS, RADIX_BITS)
+        threshold, need, x_row = _split_threshold(hist_ptr, scratch_ptr, row, head, num_heads, b, stride_xr,
+                                                  stride_xh, RADIX_BITS)
         i = tl.arange(0, BLOCK_P)
         earlier = i < split  # earlier splits are never empty: shares are cut from key 0
         at = ((row * num_heads + head) * splits + i) * 2
@@ -687,7 +702,6 @@ def _split_write_kernel(
         first = above_before + tl.minimum(ties_before, need)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         keys_row = keys_ptr + (slot * num_heads + head) * capacity
-        x_row = scratch_ptr + row * stride_xr + head * stride_xh
         last = _write_kept_range(x_row, keys_row, lo, hi, lse, threshold, need, b, first, ties_before, BLOCK_S)
         tl.debug_barrier()  # the kept positions, written above by other threads, are read below
         table = tl.load(offsets_ptr + row).to(tl.int64)
@@ -721,13 +735,8 @@ def _split_finish_kernel(
         mass = tl.sum(tl.load(part, mask=ran, other=0.0), axis=0)
         c_ref = tl.sum(tl.load(part[:, None] + 1 + d[None, :], mask=ran[:, None] & d_ok[None, :], other=0.0), axis=0)
         slot = tl.load(slots_ptr + row).to(tl.int64)
-        at = slot * num_heads + head
-        dense = tl.load(dense_ptr + row * stride_dn + head * stride_dh + d, mask=d_ok, other=0.0)
-        tl.store(o_ref_ptr + at * HEAD_DIM + d, dense.to(tl.float32), mask=d_ok)
-        tl.store(c_ref_ptr + at * HEAD_DIM + d, c_ref, mask=d_ok)
-        tl.store(mass_ptr + at, mass)
-        if head == 0:
-            tl.store(count_ptr + slot, b)
+        _store_state(dense_ptr, row, head, stride_dn, stride_dh, slot, slot * num_heads + head, b, mass, c_ref,
+                     count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
