@@ -501,3 +501,16 @@ def test_a_source_marks_its_state_present_at_its_last_layer():
     assert not bool(refs.present.any())
     refs.attend(1, rows, q, out.clone(), positions, slots, read, False, 16)
     assert refs.present[:4].tolist() == [[True, True], [False, False], [True, True], [False, False]]
+
+
+def test_the_dense_launch_keeps_scores_only_when_the_scratch_holds_every_source():
+    """`scores_for` gives the scratch view a dense launch stores the sources' scores in, or
+    None when the pass has more source rows than it holds (the source then runs its own
+    scores kernel in chunks) or there is no scratch (the torch backend)."""
+    refs = DecodeReferences(4, 2, 2, 8, 16, 0.5, torch.float32, torch.device("cpu"), max_rows=3)
+    view = refs.scores_for(3, 16)
+    assert view is not None and view.shape[1:] == (2, 16) and view.shape[0] >= 3
+    assert view.data_ptr() == refs.scratch.data_ptr()
+    assert refs.scores_for(view.shape[0] + 1, 16) is None and refs.scores_for(0, 16) is None
+    assert refs.scores_for(3, 99)[0].shape == (2, 16)  # contexts past max_context are cut to it
+    assert DecodeReferences(4, 2, 2, 8, 16, 0.5, torch.float32, torch.device("cpu")).scores_for(1, 16) is None
