@@ -329,25 +329,34 @@ def source_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def correction_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                          positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
-                         slots: torch.Tensor, state: SlotState, out: torch.Tensor) -> None:
+                         slots: torch.Tensor, state: SlotState, out: torch.Tensor,
+                         dense_rows: torch.Tensor | None = None) -> None:
     """Loop >= 3 output row by row: out[i] = O_ref - C_ref + m * softmax(q . K[S] / sqrt(D)) V[S]
     in the state's dtype (at least fp32), rounded once to out's; rows with a negative
-    position or a slot of count 0 are left untouched."""
+    position or a slot of count 0 are left untouched. A row set in `dense_rows` ([N] bool:
+    its slot's state is missing) gets dense attention over its keys 0..pos instead and
+    reads nothing of the state."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     acc = torch.promote_types(q.dtype, state.o_ref.dtype)
     for i in range(q.shape[0]):
-        if int(positions[i]) < 0:
+        pos = int(positions[i])
+        if pos < 0:
             continue
         slot = int(slots[i])
-        b = int(state.count[slot])
+        full = dense_rows is not None and bool(dense_rows[i])
+        b = pos + 1 if full else int(state.count[slot])
         if b == 0:
             continue
-        kv = _row_slots(tables, int(table_offsets[i]), state.keys[slot, :, :b], page_size)  # [Hq, b]
+        keys = torch.arange(b, device=q.device).expand(num_heads, -1) if full else state.keys[slot, :, :b]
+        kv = _row_slots(tables, int(table_offsets[i]), keys, page_size)  # [Hq, b]
         k = _per_head_kv(k_cache, kv, num_heads).to(acc)
         v = _per_head_kv(v_cache, kv, num_heads).to(acc)
-        local = (torch.einsum("hd,hbd->hb", q[i].to(acc), k) * head_dim ** -0.5).softmax(-1)
-        o = (state.o_ref[slot].to(acc) - state.c_ref[slot].to(acc)
-             + state.mass[slot].to(acc)[:, None] * torch.einsum("hb,hbd->hd", local, v))
+        local = torch.einsum("hb,hbd->hd", (torch.einsum("hd,hbd->hb", q[i].to(acc), k) * head_dim ** -0.5)
+                             .softmax(-1), v)
+        if full:
+            out[i] = local.to(out.dtype)
+            continue
+        o = state.o_ref[slot].to(acc) - state.c_ref[slot].to(acc) + state.mass[slot].to(acc)[:, None] * local
         out[i] = o.to(out.dtype)
 
 
@@ -740,14 +749,16 @@ def _split_finish_kernel(
 
 
 @triton.jit
-def _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, cache_ptr, stride_s, stride_h,
+def _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, cache_ptr, stride_s, stride_h, full,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Kept keys start..start+BLOCK_N of each head (`keys_row` [G] pointers; ok: a real
-    entry [G, BLOCK_N]) and their rows of `cache` through the row's page table, fp32
-    [G, BLOCK_N, BLOCK_D]."""
+    """Kept keys start..start+BLOCK_N of each head (`keys_row` [G] pointers; every key in
+    order when `full`; ok: a real entry [G, BLOCK_N]) and their rows of `cache` through the
+    row's page table, fp32 [G, BLOCK_N, BLOCK_D]."""
     i = start + tl.arange(0, BLOCK_N)
     ok = g_ok[:, None] & (i[None, :] < count)
-    j = tl.load(keys_row[:, None] + i[None, :], mask=ok, other=0).to(tl.int64)
+    kept = (i[None, :] * 0 + full.to(tl.int32)) == 0  # (a tensor: the interpreter cannot mask by a scalar)
+    j = tl.load(keys_row[:, None] + i[None, :], mask=ok & kept, other=0)
+    j = tl.where(full, i[None, :], j).to(tl.int64)
     page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
     slot = page * PAGE_SIZE + j % PAGE_SIZE
     d = tl.arange(0, BLOCK_D)
@@ -757,24 +768,37 @@ def _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, cache_
 
 
 @triton.jit
+def _correction_row(row, pos, slots_ptr, count_ptr, dense_rows_ptr, HAS_DENSE_ROWS: tl.constexpr):
+    """A correction row's slot, whether it runs dense (its state missing) and its key count
+    (the slot's b, or pos + 1 for a dense row)."""
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    full = pos < 0  # False, as a tensor
+    if HAS_DENSE_ROWS:
+        full = tl.load(dense_rows_ptr + row) != 0
+    count = tl.where(full, pos + 1, tl.load(count_ptr + slot))  # (a decode slot: in bounds)
+    return slot, full, count
+
+
+@triton.jit
 def _correction_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, keys_ptr, count_ptr, mass_ptr,
-    o_ref_ptr, c_ref_ptr, out_ptr, part_ptr, stats_ptr, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs,
-    stride_vh, stride_on, stride_oh, num_heads, capacity, splits, scale,
+    o_ref_ptr, c_ref_ptr, out_ptr, part_ptr, stats_ptr, dense_rows_ptr, stride_qn, stride_qh, stride_ks, stride_kh,
+    stride_vs, stride_vh, stride_on, stride_oh, num_heads, capacity, splits, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_DENSE_ROWS: tl.constexpr,
 ):
     """Per (row, KV head, split): an online softmax of q_r . K_r over the split's share of
     each head's kept keys. DIRECT (one split): corrected by the slot's state into out (in
     place); otherwise the split's running max, sum and unnormalised sum of p V go to the
-    partials for `_combine_kernel`."""
+    partials for `_combine_kernel`. A dense row (`dense_rows`: its state is missing) runs
+    over its keys 0..pos and reads nothing of the state."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     pos = tl.load(positions_ptr + row)
     if pos >= 0:
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        count = tl.load(count_ptr + slot)
+        slot, full, count = _correction_row(row, pos, slots_ptr, count_ptr, dense_rows_ptr, HAS_DENSE_ROWS)
         if count > 0:
             share = tl.cdiv(tl.cdiv(count, splits), BLOCK_N) * BLOCK_N
             lo = split * share
@@ -794,9 +818,9 @@ def _correction_kernel(
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             for start in range(lo, hi, BLOCK_N):
                 ok, k = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, k_ptr, stride_ks,
-                                    stride_kh, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+                                    stride_kh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
                 _, v = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
-                                   stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+                                   stride_vh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
                 s = tl.sum(q[:, None, :] * k, axis=2) * scale  # [G, BLOCK_N], fp32 products
                 s = tl.where(ok, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -808,7 +832,7 @@ def _correction_kernel(
                 m_i = m_new
             if DIRECT:
                 local = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-                _write_corrected(local, at, row, head, g_ok, ok_gd, d, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr,
+                _write_corrected(local, at, row, head, g_ok, ok_gd, d, full, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr,
                                  stride_on, stride_oh, HEAD_DIM, BF16_BY_HAND)
             else:
                 part = (row * num_heads + head) * splits + split  # [G] partial rows
@@ -818,13 +842,15 @@ def _correction_kernel(
 
 
 @triton.jit
-def _write_corrected(local, at, row, head, g_ok, ok_gd, d, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr, stride_on,
-                     stride_oh, HEAD_DIM: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """out[row, head] = O_ref - C_ref + m * local, rounded once to out's dtype."""
+def _write_corrected(local, at, row, head, g_ok, ok_gd, d, full, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr,
+                     stride_on, stride_oh, HEAD_DIM: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """out[row, head] = O_ref - C_ref + m * local (a dense row: local), rounded once to
+    out's dtype."""
     vec = at[:, None] * HEAD_DIM + d[None, :]
-    o_ref = tl.load(o_ref_ptr + vec, mask=ok_gd, other=0.0)
-    c_ref = tl.load(c_ref_ptr + vec, mask=ok_gd, other=0.0)
-    mass = tl.load(mass_ptr + at, mask=g_ok, other=0.0)
+    state = (at * 0 + full.to(tl.int32)) == 0  # [G] (a tensor: the interpreter cannot mask by a scalar)
+    o_ref = tl.load(o_ref_ptr + vec, mask=ok_gd & state[:, None], other=0.0)
+    c_ref = tl.load(c_ref_ptr + vec, mask=ok_gd & state[:, None], other=0.0)
+    mass = tl.load(mass_ptr + at, mask=g_ok & state, other=1.0)
     o = round_to(o_ref - c_ref + mass[:, None] * local, out_ptr.dtype.element_ty, BF16_BY_HAND)
     tl.store(out_ptr + row * stride_on + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=ok_gd)
@@ -833,9 +859,9 @@ def _write_corrected(local, at, row, head, g_ok, ok_gd, d, mass_ptr, o_ref_ptr, 
 @triton.jit
 def _combine_kernel(
     positions_ptr, slots_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr, part_ptr, stats_ptr,
-    stride_on, stride_oh, num_heads, splits,
+    dense_rows_ptr, stride_on, stride_oh, num_heads, splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr, HAS_DENSE_ROWS: tl.constexpr,
 ):
     """Per (row, query head): merges the splits' partial softmaxes (splits whose share is
     empty wrote nothing and are skipped) and writes the corrected output."""
@@ -843,8 +869,7 @@ def _combine_kernel(
     head = tl.program_id(1)
     pos = tl.load(positions_ptr + row)
     if pos >= 0:
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        count = tl.load(count_ptr + slot)
+        slot, full, count = _correction_row(row, pos, slots_ptr, count_ptr, dense_rows_ptr, HAS_DENSE_ROWS)
         if count > 0:
             share = tl.cdiv(tl.cdiv(count, splits), BLOCK_N) * BLOCK_N  # `_correction_kernel`'s
             i = tl.arange(0, BLOCK_P)
@@ -861,8 +886,8 @@ def _combine_kernel(
             at = slot * num_heads + head
             ok_d = d < HEAD_DIM
             _write_corrected(local[None, :], at + tl.zeros([1], tl.int64), row, head + tl.zeros([1], tl.int32),
-                             tl.full([1], True, tl.int1), ok_d[None, :], d, mass_ptr, o_ref_ptr, c_ref_ptr, out_ptr,
-                             stride_on, stride_oh, HEAD_DIM, BF16_BY_HAND)
+                             tl.full([1], True, tl.int1), ok_d[None, :], d, full, mass_ptr, o_ref_ptr, c_ref_ptr,
+                             out_ptr, stride_on, stride_oh, HEAD_DIM, BF16_BY_HAND)
 
 
 # --- launchers ------------------------------------------------------------------------
@@ -1027,10 +1052,12 @@ def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch
 
 def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                       positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
-                      slots: torch.Tensor, state: SlotState, out: torch.Tensor, blocks: Blocks = Blocks()) -> None:
+                      slots: torch.Tensor, state: SlotState, out: torch.Tensor, blocks: Blocks = Blocks(),
+                      dense_rows: torch.Tensor | None = None) -> None:
     """Loop >= 3 outputs into `out` in place: programs per (row, KV head, split) over shares
-    of the slot's kept keys, then (more than one split) a combine per (row, query head);
-    no host sync, a fixed launch sequence for fixed shapes."""
+    of the slot's kept keys (a `dense_rows` row: of its keys 0..pos), then (more than one
+    split) a combine per (row, query head); no host sync, a fixed launch sequence for fixed
+    shapes."""
     _check(q, k_cache, v_cache, tables, positions, table_offsets, slots, state)
     n, num_heads, head_dim = q.shape
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out: [N, Hq, D] in q's dtype"
@@ -1043,18 +1070,23 @@ def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     part = q.new_empty((1 if direct else n * num_heads * splits, head_dim), dtype=torch.float32)
     stats = q.new_empty((1 if direct else n * num_heads * splits, 2), dtype=torch.float32)
     by_hand = _INTERPRET and q.dtype == torch.bfloat16
+    has_dense = dense_rows is not None
+    if has_dense:
+        assert dense_rows.shape == (n,) and dense_rows.is_contiguous(), "dense_rows: [N]"
+        dense_rows = dense_rows.view(torch.uint8) if dense_rows.dtype == torch.bool else dense_rows
     _correction_kernel[(n, k_cache.shape[1], splits)](
         q, k_cache, v_cache, tables, positions, table_offsets, slots, state.keys, state.count, state.mass,
-        state.o_ref, state.c_ref, out, part, stats, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), num_heads, capacity, splits,
-        head_dim ** -0.5, BLOCK_G=triton.next_power_of_2(shape["GROUP"]), BLOCK_N=blocks.correction,
-        BF16_BY_HAND=by_hand, DIRECT=direct, **shape,
+        state.o_ref, state.c_ref, out, part, stats, dense_rows if has_dense else positions, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        num_heads, capacity, splits, head_dim ** -0.5, BLOCK_G=triton.next_power_of_2(shape["GROUP"]),
+        BLOCK_N=blocks.correction, BF16_BY_HAND=by_hand, DIRECT=direct, HAS_DENSE_ROWS=has_dense, **shape,
     )
     if not direct:
         _combine_kernel[(n, num_heads)](
             positions, slots, state.count, state.mass, state.o_ref, state.c_ref, out, part, stats,
-            out.stride(0), out.stride(1), num_heads, splits, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
-            BLOCK_N=blocks.correction, BLOCK_P=triton.next_power_of_2(splits), BF16_BY_HAND=by_hand,
+            dense_rows if has_dense else positions, out.stride(0), out.stride(1), num_heads, splits,
+            HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"], BLOCK_N=blocks.correction,
+            BLOCK_P=triton.next_power_of_2(splits), BF16_BY_HAND=by_hand, HAS_DENSE_ROWS=has_dense,
         )
 
 
@@ -1086,11 +1118,12 @@ def decode_source(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def decode_correction(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                       positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
                       slots: torch.Tensor, state: SlotState, out: torch.Tensor,
-                      use_triton: bool | None = None) -> None:
+                      use_triton: bool | None = None, dense_rows: torch.Tensor | None = None) -> None:
     """Loop >= 3 outputs of the rows from their slots' state, into `out` in place (module
-    docstring)."""
+    docstring); rows set in `dense_rows` ([N] bool: a missing state) get dense attention
+    over their keys 0..pos at that depth instead."""
     args = (q, k_cache, v_cache, tables, positions, table_offsets, page_size)
     if _use_triton(q, use_triton):
-        correction_triton(*args, slots=slots, state=state, out=out)
+        correction_triton(*args, slots=slots, state=state, out=out, dense_rows=dense_rows)
     else:
-        correction_reference(*args, slots=slots, state=state, out=out)
+        correction_reference(*args, slots=slots, state=state, out=out, dense_rows=dense_rows)

@@ -279,53 +279,22 @@ class TritonAttention:
             store = self.residuals
             store.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
 
-            def dense(tiles: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-                return packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
-                                        store.layer_view(layer), res.cells, res.depths, res.positions,
-                                        meta.table_offsets, num_splits=meta.num_splits, tiles=tiles,
-                                        tile_rows=meta.tile_rows, out=out)[0]
-            out = dense(meta.tiles, out)
+            out = packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
+                                   store.layer_view(layer), res.cells, res.depths, res.positions, meta.table_offsets,
+                                   num_splits=meta.num_splits, tiles=meta.tiles, tile_rows=meta.tile_rows, out=out)[0]
             kept = None
         else:
-            def dense(tiles: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-                # (only the fallback's: a missing state is rare, one program per tile and head
-                # needs no partials and no combine launch)
-                return paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions, tiles,
-                                       self.kv.page_size, tile_rows=meta.tile_rows, num_splits=1, out=out)[0]
             scores = meta.sparse.scores if meta.sparse is not None else None
             out, lse = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions,
                                        meta.tiles, self.kv.page_size, tile_rows=meta.tile_rows,
                                        num_splits=meta.num_splits, out=out, return_lse=scores is not None,
                                        scores=scores, score_rows=meta.sparse.score_rows if scores is not None else None)
             kept = KeptScores(scores, lse) if scores is not None else None
-        fallback = None
-        if corrects:
-            tiles, tile_rows = meta.sparse.correction_tiles, meta.tile_rows
-
-            memo = meta.sparse.rows.memo
-
-            def fallback(need: torch.Tensor) -> None:  # the correction tiles holding a row that needs it
-                if layer == 0 or "fallback_tiles" not in memo:  # once per pass
-                    memo["fallback_tiles"] = _tiles_with(tiles, need, tile_rows)
-                dense(memo["fallback_tiles"], out)
-        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True, fallback=fallback, kept=kept)
-
-
-def _tiles_with(tiles: torch.Tensor, rows: torch.Tensor, tile_rows: int) -> torch.Tensor:
-    """`tiles` [M, 3] with 0 rows wherever none of a tile's rows is set in `rows` [N] bool
-    (a launch over them computes only the tiles that hold such a row; no host sync)."""
-    span = torch.arange(tile_rows, device=tiles.device)
-    at = (tiles[:, :1] + span).clamp(max=rows.numel() - 1)  # (a pass with correction tiles has rows)
-    hit = (rows[at] & (span < tiles[:, 1:2])).any(1)
-    out = tiles.clone()
-    out[:, 1] = torch.where(hit, tiles[:, 1], 0)
-    return out
+        return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True, kept=kept)
 
 
 def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: torch.Tensor, out: torch.Tensor,
-                   sparse: _Sparse | None, use_triton: bool,
-                   fallback: Callable[[torch.Tensor], None] | None = None,
-                   kept: KeptScores | None = None) -> torch.Tensor:
+                   sparse: _Sparse | None, use_triton: bool, kept: KeptScores | None = None) -> torch.Tensor:
     """The pass's generated-token rows of `out` as sparse decode attention gives them
     (`DecodeReferences.attend`); `out` unchanged without such rows. The torch backend runs
     the kernels' torch references over the dense output of every row, the Triton one the
@@ -345,7 +314,7 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
                              sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
         read = gathered_reader(keys_of, sparse.longest, kv.page_size)
     return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
-                                     use_triton, sparse.longest, sparse.exited, fallback, kept)
+                                     use_triton, sparse.longest, sparse.exited, kept)
 
 
 def backend_name(name: str, device: torch.device) -> str:

@@ -18,9 +18,9 @@ pipeline's survivors (nothing is copied: slots travel with the tokens in the pla
 rejected token's slot is retired with it. `enter` marks a slot's state missing when a new
 token takes the slot; a source write marks it present. A correction row whose state is
 missing (which the scheduler's ordering never produces: a token's loop 2 always runs
-before its loop 3) gets its dense output (the torch backend computed it for every row; the
-Triton backend runs the tiles of such rows dense, `fallback`) and is counted in
-`fallbacks`, never consuming another token's state.
+before its loop 3) gets dense attention over its keys from the correction kernel itself
+(`decode_correction(..., dense_rows=)`, which then reads nothing of the state) and is
+counted in `fallbacks`, never consuming another token's state.
 
 Under CUDA graphs a pass with generated-token rows replays a graph of its own, which runs
 both steps over every row of its bucket; the pass block's roles column says which rows
@@ -62,7 +62,7 @@ class SparseRows:
     bucket in both (`every`: then a gather by them is the tensor itself) and says which rows
     play each part in `source_ok` / `correction_ok` ([b] bool, from the pass block: values,
     never constants of the graph). `memo` holds what the pass's layer 0 derived from the
-    rows (slots, masks, fallback tiles), which its later layers reuse (layer 0 derives it
+    rows (slots, masks, the missing states), which its later layers reuse (layer 0 derives it
     afresh, so a list reused for another pass is never stale)."""
 
     source: torch.Tensor
@@ -102,7 +102,7 @@ class DecodeReferences:
         self.c_ref = torch.zeros_like(self.o_ref)
         # One row past the decode slots: the sink other slots go to (no mask, no sync).
         self.present = torch.zeros(num_slots + 1, num_layers, dtype=torch.bool, device=device)
-        self.fallbacks = torch.zeros((), dtype=torch.long, device=device)  # correction rows served dense
+        self.fallbacks = torch.zeros((), dtype=torch.long, device=device)  # correction rows run dense (state missing)
         # Its host copy, refreshed behind each call's work (`publish`): stats never wait on the device.
         self.fallbacks_host = torch.zeros((), dtype=torch.long, pin_memory=device.type == "cuda")
         self.scratch = torch.empty(self.scratch_rows(num_heads, max_context, max_rows) * num_heads * max_context,
@@ -165,24 +165,21 @@ class DecodeReferences:
 
     def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, context: int,
-               exited: torch.Tensor | None = None,
-               fallback: Callable[[torch.Tensor], None] | None = None,
-               kept: KeptScores | None = None) -> torch.Tensor:
+               exited: torch.Tensor | None = None, kept: KeptScores | None = None) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
         tokens' rows replaced: sources keep their state (their output is the dense one,
         which is O_ref), corrections output the corrected attention where their state is
-        present. Rows whose token exited (`exited` [N], adaptive exit: their outputs are
-        dropped) run neither. One layer; `read` gives the keys a set of rows reads
-        (`KeyReader`); `context` (host) bounds every row's position + 1; `fallback(rows)`,
-        when given, computes the dense attention of rows [N] bool into `out` (a backend
-        whose dense launch left the correction rows out: it is called with those whose state
-        is missing); `kept`, when given, holds the source rows' scores and the rows' lse from
-        the dense launch (Triton: the source runs its select kernel alone); no host sync."""
+        present and dense attention where it is missing (a backend's dense launch may have
+        left the correction rows out). Rows whose token exited (`exited` [N], adaptive exit:
+        their outputs are dropped) run neither. One layer; `read` gives the keys a set of
+        rows reads (`KeyReader`); `context` (host) bounds every row's position + 1; `kept`,
+        when given, holds the source rows' scores and the rows' lse from the dense launch
+        (Triton: the source runs its select kernel alone); no host sync."""
         if rows.source.numel():
             self._source(layer, rows, q, out, positions, token_slots, read, use_triton, exited,
                          min(max(context, 1), self.max_context), kept)
         if rows.correction.numel():
-            self._correct(layer, rows, q, out, positions, token_slots, read, use_triton, exited, fallback)
+            self._correct(layer, rows, q, out, positions, token_slots, read, use_triton, exited)
         return out
 
     def _source(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
@@ -228,36 +225,25 @@ class DecodeReferences:
         return self.scratch[: rows * heads * context].view(rows, heads, context)
 
     def _correct(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None,
-                 fallback: Callable[[torch.Tensor], None] | None) -> None:
+                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
         r = rows.correction
         if layer == 0 or "correction" not in rows.memo:  # the pass's first layer
             slots = rows.pick(token_slots, r)
             run = _running(rows, r, rows.correction_ok, exited)
             # A source pass writes every layer's state of its tokens, so the first layer's
-            # presence is every layer's; a missing state is never read.
-            present = self.present[self._safe(slots), layer]
-            missing = ~present & run
-            need = None
-            if fallback is not None:  # the dense output of rows whose state is missing
-                if rows.every:
-                    need = missing
-                else:
-                    need = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-                    need[r] = missing
+            # presence is every layer's; a missing state is never read: its rows run dense.
+            missing = ~self.present[self._safe(slots), layer] & run
             self.fallbacks += missing.sum()
-            rows.memo["correction"] = (slots, torch.where(present & run, rows.pick(positions, r), -1), need)
-        slots, at, need = rows.memo["correction"]
-        if fallback is not None:
-            fallback(need)
+            rows.memo["correction"] = (slots, torch.where(run, rows.pick(positions, r), -1), missing)
+        slots, at, missing = rows.memo["correction"]
         k_cache, v_cache, tables, offsets, page_size = read(r)
         if rows.every:  # corrected in place: rows that run no correction are left as they are
             decode_correction(q.contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
-                              state=self.layer(layer), out=out, use_triton=use_triton)
+                              state=self.layer(layer), out=out, use_triton=use_triton, dense_rows=missing)
             return
-        corrected = out[r]  # dense where no correction runs
+        corrected = out[r]
         decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
-                          state=self.layer(layer), out=corrected, use_triton=use_triton)
+                          state=self.layer(layer), out=corrected, use_triton=use_triton, dense_rows=missing)
         out[r] = corrected
 
 
