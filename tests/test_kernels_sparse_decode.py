@@ -334,6 +334,34 @@ def test_kept_scores_never_pass_a_scores_row():
     assert (scores[1] == -7).all() and (scores[0] != -7).all()
 
 
+@pytest.mark.parametrize("blocks", [Blocks(), SMALL])
+def test_dense_rows_get_dense_attention_and_read_no_state(blocks):
+    """Rows set in `dense_rows` (a missing state) get dense attention over their keys at
+    that depth, in the Triton kernels (one split or several) and the reference, whatever
+    their slot holds; the other rows are corrected as usual."""
+    case = _case(45, PADDED)
+    capacity = key_budget(MAX_CONTEXT, 0.1)
+    state = case.state(capacity)
+    source_reference(*case.source_args(), 0.1, dense=case.dense, slots=case.slots, state=state)
+    dense_rows = torch.tensor([i % 2 == 0 for i in range(len(PADDED))], device=DEVICE)
+    for i, pos in enumerate(PADDED):  # a dense row's slot holds garbage: never read
+        if pos >= 0 and bool(dense_rows[i]):
+            for name in SLOT_FIELDS:
+                getattr(state, name)[int(case.slots[i])] = -7 if name != "count" else 3
+    want = torch.zeros_like(case.q3)
+    correction_reference(*case.correction_args(), slots=case.slots, state=state, out=want, dense_rows=dense_rows)
+    got = torch.zeros_like(case.q3)
+    correction_triton(*case.correction_args(), slots=case.slots, state=state, out=got, blocks=blocks,
+                      dense_rows=dense_rows)
+    _close(got, want, OUT_TOL[torch.float32])
+    for i, pos in enumerate(PADDED):
+        if pos >= 0 and bool(dense_rows[i]):
+            _, _, _, dense3 = _flashloop_row(case, i, 0.1)
+            _close(got[i], dense3, OUT_TOL[torch.float32])
+        elif pos >= 0:
+            assert not torch.equal(got[i], torch.zeros_like(got[i]))
+
+
 def test_the_split_select_breaks_ties_across_splits():
     """Row 0's equal keys run over both splits of 32 keys, the last one kept in the first
     split, and its top key sits in the second; padding rows write nothing."""
