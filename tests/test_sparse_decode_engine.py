@@ -353,9 +353,10 @@ def _group(depth: int, start: int, end: int, decode_from: int, loops: int = 1) -
 
 
 def test_correction_rows_leave_the_dense_tiles():
-    """With query tiles a pass's correction rows are cut out of its tiles into its correction
-    tiles (each group's generated tail), and the block's roles column marks sources 1,
-    corrections 2 and every other row and the padding 0: what a CUDA graph's masks read."""
+    """With query tiles a pass's correction rows (each group's generated tail) are cut out of
+    its tiles (the correction step computes them), and the block's roles column, its last,
+    marks sources 1, corrections 2 and every other row and the padding 0: what a CUDA
+    graph's masks read."""
     builder = ForwardBatchBuilder(max_rows=16, max_seqs=2, num_loops=4, max_pages_per_seq=4, page_size=4,
                                   device=torch.device("cpu"), tile_rows=(2, 8), buckets=(8, 16),
                                   sparse_decode=True)
@@ -365,18 +366,16 @@ def test_correction_rows_leave_the_dense_tiles():
                      decode_from=10)  # prompt rows 8, 9 then generated 10, 11; depths 1 and 2
     batch = builder.build(Plan(0, [decode, chunk], adaptive_exit=False))
     tiles = lambda t: [tuple(x) for x in t.tolist() if x[1] > 0]  # noqa: E731
-    roles = lambda lp: lp.block[-(1 + 3) * lp.bucket: -3 * lp.bucket].tolist()  # noqa: E731
+    roles = lambda lp: lp.block[-lp.bucket:].tolist()  # noqa: E731
     first, second = batch.passes[0], batch.passes[1]
     # pass 0: row 0 depth 0 (dense), rows 1..4 depth 1: prompt 1, 2 dense, 3, 4 sources
     assert first.sparse.source.tolist() == [3, 4] and first.sparse.correction.numel() == 0
-    assert sum(n for _, n, _ in tiles(first.tiles)) == 5 and tiles(first.correction_tiles) == []
+    assert sum(n for _, n, _ in tiles(first.tiles)) == 5
     assert roles(first) == [0, 0, 0, 1, 1, 0, 0, 0]
     # pass 1: row 0 depth 1 (a source), rows 1..4 depth 2: 1, 2 dense, 3, 4 corrections
     assert second.sparse.source.tolist() == [0] and second.sparse.correction.tolist() == [3, 4]
     dense = tiles(second.tiles)
-    assert [(f, n) for f, n, _ in dense] == [(0, 1), (1, 2)] and len(tiles(second.correction_tiles)) == 1
-    assert [(f, n) for f, n, _ in tiles(second.correction_tiles)] == [(3, 2)]
-    assert tiles(second.correction_tiles)[0][2] == dense[1][2]  # the group's page table
+    assert [(f, n) for f, n, _ in dense] == [(0, 1), (1, 2)]  # the corrections 3, 4 are left out
     assert roles(second) == [1, 0, 0, 2, 2, 0, 0, 0]
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -106,7 +105,6 @@ class _Sparse:
     cells: torch.Tensor | None  # the rows' request cells (INT4 residual planes)
     longest: int  # the pass's longest context (host)
     exited: torch.Tensor | None  # [N] the rows whose token exited before the pass (adaptive exit)
-    correction_tiles: torch.Tensor | None  # the correction rows' query tiles (Triton: the dense launch skips them)
     scores: torch.Tensor | None = None  # Triton: the scratch view the dense launch stores the sources' scores in
     score_rows: torch.Tensor | None = None  # [N] int32: each row's scores row there (source k: k), -1 for none
 
@@ -116,7 +114,7 @@ class _Sparse:
             return None
         longest = lp.max_context if lp.max_context is not None else max((g.context for g in lp.groups), default=0)
         return cls(lp.sparse, lp.tables, lp.positions, lp.table_offsets, lp.token_slots, lp.depths,
-                   lp.residual.cells if lp.residual is not None else None, longest, keep, lp.correction_tiles)
+                   lp.residual.cells if lp.residual is not None else None, longest, keep)
 
 
 class TorchAttention:
@@ -270,10 +268,9 @@ class TritonAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
         res = meta.residual
-        # Sparse decode correction rows are not in the tiles: zeros until corrected (or run
-        # dense, a missing state's fallback), never uninitialised memory (exited rows keep them).
-        corrects = (meta.sparse is not None and meta.sparse.correction_tiles is not None
-                    and meta.sparse.correction_tiles.shape[0] > 0)  # (a graph's: its bucket's, always)
+        # Sparse decode correction rows are not in the tiles: zeros until the correction step
+        # writes them, never uninitialised memory (exited rows keep them).
+        corrects = meta.sparse is not None and meta.sparse.rows.correction.numel() > 0  # (a graph's: always)
         out = torch.zeros_like(q) if corrects else None
         if res is not None:  # encode the pass's ready groups, then read each key exact or packed
             store = self.residuals

@@ -112,8 +112,6 @@ class LoopPass:
     residual: ResidualPass | None = None  # INT4 residual planes on: what the pass may encode
     encode_plan: Any = None  # set by the runner before the backend builds (kv_residual.EncodePlan)
     sparse: SparseRows | None = None  # sparse decode attention on: the pass's generated-token rows
-    # ... and the query tiles of its correction rows, which `tiles` leaves out (`SparseRows`)
-    correction_tiles: torch.Tensor | None = None
     max_context: int | None = None  # a bound on every row's position + 1 fixed by the caller (a CUDA graph)
 
     @functools.cached_property
@@ -140,20 +138,20 @@ class PassLayout:
     padding: position 0, depth 0, the pad token slot, the pad table entry (whose page is a
     sink nobody reads), tiles of 0 rows, no planes (-1), the pad cell; cells past the
     pass's own are the pad cell with no planes (-1). With sparse decode attention each row's
-    role ([b]: 1 a source, 2 a correction, 0 neither) and the correction rows' query tiles
-    ([b, 3], which `tiles` leaves out) follow, padding roles 0 and tiles of 0 rows. A CUDA
-    graph captured for a bucket reads a block of this layout at a fixed address."""
+    role ([b]: 1 a source, 2 a correction, 0 neither) follows, padding roles 0 (the
+    correction rows are not in `tiles`: the correction step computes them). A CUDA graph
+    captured for a bucket reads a block of this layout at a fixed address."""
 
     bucket: int
     planes: int  # R with adaptive exit, else 0
     residual_planes: int = 0  # P with INT4 residuals, else 0
     residual_cells: int = 0  # C: request cells of the residual columns
-    sparse: bool = False  # sparse decode attention: row roles [b] and correction tiles [b, 3]
+    sparse: bool = False  # sparse decode attention: row roles [b]
 
     @property
     def size(self) -> int:
         residual = self.bucket + self.residual_cells * (1 + self.residual_planes) if self.residual_planes else 0
-        sparse = (1 + TILE_COLUMNS) * self.bucket if self.sparse else 0
+        sparse = self.bucket if self.sparse else 0
         return (4 + TILE_COLUMNS + self.planes) * self.bucket + residual + sparse
 
     def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -172,7 +170,6 @@ class PassLayout:
             at += b + c * (1 + p)
         if self.sparse:
             out["roles"] = block[at: at + b]
-            out["correction_tiles"] = block[at + b: at + (1 + TILE_COLUMNS) * b].view(b, TILE_COLUMNS)
         return out
 
 
@@ -423,14 +420,14 @@ class ForwardBatchBuilder:
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
         ints = cells + slots + tokens + enter + enter_inc + head_ints + tables
-        blocks = []  # (at, layout, rows, tile_rows, tiles, residual, correction tiles) per pass
+        blocks = []  # (at, layout, rows, tile_rows, tiles, residual) per pass
         if self.residual_tail is not None:
             self._start_backlog(plan)
         # sparse decode attention: each pass's (sources, corrections); corrections leave the dense tiles
         sparse = [_sparse_rows(ordered, firsts, p) if self.sparse_decode else ([], []) for p in range(num_passes)]
         for p, pass_shapes in enumerate(shapes):
             n = sum(s.rows for s in pass_shapes)
-            tiles, tile_rows, correction_tiles = self._tiles(pass_shapes, sparse[p][1])
+            tiles, tile_rows = self._tiles(pass_shapes, sparse[p][1])
             bucket = self.bucket(n)
             rp = self._residual_pass(ordered, p, table_at) if self.residual else None
             if rp is None:
@@ -440,10 +437,9 @@ class ForwardBatchBuilder:
                 rp = rp[:2] + fixed
             else:
                 layout = self._layout(bucket, len(plane_columns), len(rp[0]))
-            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:],
-                           len(correction_tiles) // TILE_COLUMNS))
+            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:]))
             ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns,
-                                    cells, rp, sparse[p], correction_tiles))
+                                    cells, rp, sparse[p]))
         sparse_at = []  # per pass: (where its rows start in the upload, sources, corrections)
         for source, correction in sparse:
             sparse_at.append((len(ints), len(source), len(correction)))
@@ -590,12 +586,10 @@ class ForwardBatchBuilder:
 
     def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
                slots: list[int], shapes: list[GroupShape], tiles: list[int], plane_columns: list[list[int]],
-               cells: list[int], residual: tuple | None, sparse: tuple[list[int], list[int]],
-               correction_tiles: list[int]) -> list[int]:
+               cells: list[int], residual: tuple | None, sparse: tuple[list[int], list[int]]) -> list[int]:
         """Pass p's block (`PassLayout`): its n rows' columns, then padding up to the bucket;
         with INT4 residuals the rows' cells and the pass's (cells, plane tables), padded up
-        to the layout's cells; with sparse decode attention the rows' roles and the
-        correction tiles."""
+        to the layout's cells; with sparse decode attention the rows' roles."""
         pad = layout.bucket - n
         out = positions[:n] + [0] * pad
         out += [d + p for d in depths[:n]] + [0] * pad
@@ -618,23 +612,22 @@ class ForwardBatchBuilder:
                 roles[row] = 1
             for row in sparse[1]:
                 roles[row] = 2
-            out += roles + correction_tiles + [0] * (TILE_COLUMNS * layout.bucket - len(correction_tiles))
+            out += roles
         return out
 
-    def _tiles(self, shapes: list[GroupShape], corrections: list[int]) -> tuple[list[int], int, list[int]]:
-        """(tiles, tile rows, correction tiles): the pass's query tiles without its sparse
-        decode correction rows (a tail of their groups), and those rows' own tiles."""
+    def _tiles(self, shapes: list[GroupShape], corrections: list[int]) -> tuple[list[int], int]:
+        """(tiles, tile rows): the pass's query tiles without its sparse decode correction
+        rows (a tail of their groups; the correction step computes them)."""
         if self.tile_rows is None:
-            return [], 0, []
+            return [], 0
         small, large = self.tile_rows
         size = small if max((s.rows for s in shapes), default=0) <= small else large
-        dense, sparse = [], []
+        dense = []
         for s in shapes:  # corrections ascend, a tail of each group's rows (`_sparse_rows`)
             c = bisect.bisect_left(corrections, s.first + s.rows) - bisect.bisect_left(corrections, s.first)
             assert c == 0 or corrections[bisect.bisect_left(corrections, s.first)] == s.first + s.rows - c
             dense.append((s.first, s.rows - c, s.table))
-            sparse.append((s.first + s.rows - c, c, s.table))
-        return query_tiles(dense, size), size, query_tiles(sparse, size)
+        return query_tiles(dense, size), size
 
     def _take_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next staging pair, once the copy that last read it has completed (on CUDA that
@@ -673,12 +666,10 @@ class ForwardBatchBuilder:
         head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
         bs = self.page_size
         passes = []
-        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, residual, num_corrections) in zip(shapes,
-                                                                                                     blocks):
+        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, residual) in zip(shapes, blocks):
             tiled = self.tile_rows is not None
             passes.append(pass_view(layout, ints[start: start + layout.size], tables, bs, rows, pass_shapes,
-                                    tile_rows, num_tiles if tiled else None, residual=residual,
-                                    correction_tiles=num_corrections if tiled else None))
+                                    tile_rows, num_tiles if tiled else None, residual=residual))
         segments: dict[type, HeadSegment] = {}
         start = 0
         for kind in HEAD_TYPES:
@@ -697,21 +688,17 @@ class ForwardBatchBuilder:
 def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, page_size: int, rows: int,
               shapes: list[GroupShape], tile_rows: int, num_tiles: int | None,
               num_splits: int | None = None, residual: tuple[int, tuple[int, ...]] | None = None,
-              correction_tiles: int | None = None, sparse_roles: bool = False,
-              max_context: int | None = None) -> LoopPass:
+              sparse_roles: bool = False, max_context: int | None = None) -> LoopPass:
     """The `LoopPass` of a block: views of its first `rows` rows (a CUDA graph calls this
     inside its capture, with every row of the bucket); `residual` (candidates, planes with
-    rows) where the layout holds residual columns; `correction_tiles`: how many of the
-    block's correction tiles to view; `sparse_roles`: the pass's `SparseRows` are every
-    row, with the roles column saying which play a part (a CUDA graph's)."""
+    rows) where the layout holds residual columns; `sparse_roles`: the pass's `SparseRows`
+    are every row, with the roles column saying which play a part (a CUDA graph's)."""
     v = layout.views(block)
     lp = LoopPass(rows, v["positions"][:rows], v["depths"][:rows], tables, v["table_offsets"][:rows],
                   v["planes"][:rows] if layout.planes else None, shapes, page_size,
                   tiles=v["tiles"][:num_tiles] if num_tiles is not None else None, tile_rows=tile_rows,
                   token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits,
                   max_context=max_context)
-    if layout.sparse and correction_tiles is not None:
-        lp.correction_tiles = v["correction_tiles"][:correction_tiles]
     if sparse_roles:
         roles = v["roles"][:rows]
         every = torch.arange(rows, device=block.device)
@@ -734,7 +721,7 @@ def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.d
     if layout.residual_planes:
         c = layout.residual_cells
         block[at: at + b + c] = pad_cell
-        block[at + b + c: at + b + c * (1 + layout.residual_planes)] = -1  # (then roles 0, correction tiles 0)
+        block[at + b + c: at + b + c * (1 + layout.residual_planes)] = -1  # (then roles 0)
     return block
 
 

@@ -116,7 +116,7 @@ class LoopGraphs:
         b = g.layout.bucket
         lp = pass_view(g.layout, g.block, self.tables, self.page_size, b, [], self.tile_rows, b,
                        num_splits=self.splits[b], residual=self.batches.graph_residual(b),
-                       correction_tiles=b if g.layout.sparse else None, sparse_roles=g.sparse,
+                       sparse_roles=g.sparse,
                        max_context=self.max_context)
         return self.run_pass(lp, g.hidden)
 

@@ -7,7 +7,7 @@ source step keeps, per layer and query head, the top-b keys of its probabilities
 mass m and C_ref (`specloop.kernels.sparse_decode`). At loops 3 and 4 (depths >= 2) the
 same token's row is a *correction*: it attends to its kept keys of that depth alone and
 outputs O_ref - C_ref + m * sum p V. Prompt rows stay dense. With the Triton backend the
-correction rows are left out of the dense launch (`LoopPass.correction_tiles`), so a
+correction rows are left out of the dense launch's query tiles (`LoopPass.tiles`), so a
 correction costs b keys instead of the whole context.
 
 The state lives in the token's slot (`DecodeReferences`, indexed by token slot: generated
