@@ -89,8 +89,8 @@ def main() -> None:
     p.add_argument("--split-variants", default="auto@512,4@1024,8@512,16@256",
                    help="decode_select split over programs per row and head, timed in graphs: splits (auto: "
                         "`select_splits`) @ select block")
-    p.add_argument("--select-variants", default="8,11,c4@512,c5@256",
-                   help="select kernels also timed (graphs): radix bits, c for counting by compare, @ select block")
+    p.add_argument("--select-variants", default="8,11",
+                   help="select kernels also timed (graphs): radix bits @ select block")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -168,9 +168,8 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
            "correction_splits": correction_splits(batch, args.kv_heads, capacity, _num_sms(device)),
            "score_splits": splits, "scratch_rows": rows, "scratch_bytes": scratch.numel() * scratch.element_size()}
     for variant in filter(None, args.select_variants.split(",")):
-        bits, _, block = variant.lstrip("c").partition("@")
-        blocks = Blocks(radix_bits=int(bits), count_by_compare=variant.startswith("c"),
-                        select=int(block) if block else Blocks().select)
+        bits, _, block = variant.partition("@")
+        blocks = Blocks(radix_bits=int(bits), select=int(block) if block else Blocks().select)
 
         def select_variant(blocks=blocks):
             for first in range(0, batch, rows):

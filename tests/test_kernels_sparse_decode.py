@@ -230,7 +230,6 @@ def test_references_equal_flashloop_pieces(retention):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, dim, page_size, blocks", [
     (4, 2, 32, 16, Blocks()), (4, 4, 16, 8, SMALL), (6, 2, 24, 32, dataclasses.replace(SMALL, radix_bits=11, correction_splits=7)),  # empty splits
-    (4, 2, 32, 16, dataclasses.replace(SMALL, radix_bits=4, count_by_compare=True)),
 ])
 def test_kernels_match_references(dtype, heads, kv_heads, dim, page_size, blocks):
     retention = 0.1

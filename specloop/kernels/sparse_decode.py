@@ -155,7 +155,8 @@ from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCRATCH_BYTES = 256 << 20  # the scratch a source allocates when it is given none
-_PATTERN_BITS = tl.constexpr(30)  # P < 2, so the bits of a nonnegative fp32 P fit in 30 bits
+PATTERN_BITS = 30  # P < 2, so the bits of a nonnegative fp32 P fit in 30 bits
+_PATTERN_BITS = tl.constexpr(PATTERN_BITS)
 
 
 @dataclasses.dataclass
@@ -192,7 +193,6 @@ class Blocks:
     gather: int = 64  # kept keys per block of the select kernel's V gather
     correction: int = 32  # kept keys per block of the correction kernel
     radix_bits: int = 8  # digit of the radix select: 8 bits is 4 counting passes, 10 or 11 bits 3
-    count_by_compare: bool = False  # digits counted by a [select, 2^radix_bits] compare, not tl.histogram
     select_warps: int = 8
     splits: int | None = None
     correction_splits: int | None = None  # programs per (row, KV head) of the correction; None: `correction_splits`
@@ -385,10 +385,7 @@ def _scores_kernel(
     row = first + r
     pos = tl.load(positions_ptr + row).to(tl.int64)
     if pos >= 0:
-        n = tl.minimum(pos + 1, max_context)
-        share = tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N
-        lo = split * share
-        hi = tl.minimum(n, lo + share)
+        lo, hi = _split_share(tl.minimum(pos + 1, max_context), split, splits, BLOCK_N)
         table = tl.load(offsets_ptr + row).to(tl.int64)
         g = tl.arange(0, BLOCK_M)
         g_ok = g < GROUP
@@ -436,8 +433,7 @@ def _row_lse(x_row, n, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr,
-                  COUNT_BY_COMPARE: tl.constexpr):
+def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.constexpr):
     """The b-th largest P bit pattern T of keys 0..n-1 and `need`, how many keys equal to T
     are among the top b (1 <= need <= their count): one histogram pass per digit, most
     significant first, over the keys whose higher digits match T's."""
@@ -455,11 +451,7 @@ def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.conste
             _, x = _probs(x_row, j, ok, lse)
             if digit > 0:
                 ok = ok & ((x >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-            digit_of = (x >> shift) & (BINS - 1)
-            if COUNT_BY_COMPARE:  # no atomics: a [BLOCK_S, BINS] compare, for small digits
-                hist += tl.sum(((digit_of[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32), axis=0)
-            else:
-                hist += tl.histogram(digit_of, BINS, mask=ok)
+            hist += tl.histogram((x >> shift) & (BINS - 1), BINS, mask=ok)
         prefix, need = _digit_step(hist, bins, prefix, need, shift)
     return prefix, need
 
@@ -551,7 +543,7 @@ def _select_kernel(
     first, stride_xr, stride_xh, stride_vs, stride_vh, stride_dn, stride_dh, stride_ln, num_heads, capacity,
     max_context, num, den,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, COUNT_BY_COMPARE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr,
     HAVE_LSE: tl.constexpr,
 ):
     """Per (row of the chunk, query head): lse (HAVE_LSE: the dense launch's), the exact
@@ -569,7 +561,7 @@ def _select_kernel(
             lse = tl.load(lse_ptr + row * stride_ln + head)
         else:
             lse = _row_lse(x_row, n, BLOCK_S)
-        threshold, need = _radix_select(x_row, n, lse, b, BLOCK_S, RADIX_BITS, COUNT_BY_COMPARE)
+        threshold, need = _radix_select(x_row, n, lse, b, BLOCK_S, RADIX_BITS)
         at = slot * num_heads + head
         keys_row = keys_ptr + at * capacity
         _write_kept(x_row, keys_row, n, lse, threshold, need, b, BLOCK_S)
@@ -800,9 +792,7 @@ def _correction_kernel(
     if pos >= 0:
         slot, full, count = _correction_row(row, pos, slots_ptr, count_ptr, dense_rows_ptr, HAS_DENSE_ROWS)
         if count > 0:
-            share = tl.cdiv(tl.cdiv(count, splits), BLOCK_N) * BLOCK_N
-            lo = split * share
-            hi = tl.minimum(count, lo + share)
+            lo, hi = _split_share(count, split, splits, BLOCK_N)
             table = tl.load(offsets_ptr + row).to(tl.int64)
             g = tl.arange(0, BLOCK_G)
             g_ok = g < GROUP
@@ -871,11 +861,11 @@ def _combine_kernel(
     if pos >= 0:
         slot, full, count = _correction_row(row, pos, slots_ptr, count_ptr, dense_rows_ptr, HAS_DENSE_ROWS)
         if count > 0:
-            share = tl.cdiv(tl.cdiv(count, splits), BLOCK_N) * BLOCK_N  # `_correction_kernel`'s
             i = tl.arange(0, BLOCK_P)
             d = tl.arange(0, BLOCK_D)
             part = (row * num_heads + head) * splits + i
-            ran = (i < splits) & (i * share < count)  # a split ran iff its share holds a kept key
+            first, _ = _split_share(count, i, splits, BLOCK_N)  # `_correction_kernel`'s shares
+            ran = (i < splits) & (first < count)  # a split ran iff its share holds a kept key
             m = tl.load(stats_ptr + part * 2, mask=ran, other=float("-inf"))
             l = tl.load(stats_ptr + part * 2 + 1, mask=ran, other=0.0)
             acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :],
@@ -991,7 +981,7 @@ def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions:
     n, num_heads, head_dim = dense.shape
     num, den = retention_fraction(key_retention)
     bins = 1 << blocks.radix_bits
-    digits = -(-30 // blocks.radix_bits)
+    digits = -(-PATTERN_BITS // blocks.radix_bits)
     hist = torch.zeros(n * num_heads * digits * bins, dtype=torch.int32, device=dense.device)
     counts = torch.empty(n * num_heads * splits * 2, dtype=torch.int32, device=dense.device)
     part = torch.empty(n * num_heads * splits * (1 + head_dim), dtype=torch.float32, device=dense.device)
@@ -1045,7 +1035,7 @@ def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch
         first, scratch.stride(0), scratch.stride(1), v_cache.stride(0), v_cache.stride(1), dense.stride(0),
         dense.stride(1), 0 if lse is None else lse.stride(0), num_heads, state.keys.shape[2], max_context, num, den,
         BLOCK_S=blocks.select, BLOCK_V=blocks.gather, RADIX_BITS=blocks.radix_bits,
-        COUNT_BY_COMPARE=blocks.count_by_compare, HAVE_LSE=lse is not None,
+        HAVE_LSE=lse is not None,
         **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps,
     )
 
