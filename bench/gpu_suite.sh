@@ -70,7 +70,7 @@ if [ "$PART" = reader-sweep ]; then  # the packed reader alone against the BF16 
 fi
 if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine, no-sync, graphs, matrix graph cells
   TAIL=6 step 120 python -m pytest -q -rf --tb=line -n 8 -p xdist tests/test_kernels_sparse_decode.py
-  TAIL=8 step 200 python -m pytest -q -rf --tb=line tests/test_cuda_no_sync.py tests/test_sparse_decode_engine.py \
+  TAIL=8 step 300 python -m pytest -q -rf --tb=line tests/test_cuda_no_sync.py tests/test_sparse_decode_engine.py \
     -k "sparse or cuda"
   TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py
   TAIL=12 step 300 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py -k "graph and ${CELLS:-greedy}"

@@ -185,11 +185,11 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
         dense_scores()
         for variant in filter(None, args.split_variants.split(",")):
             count, _, block = variant.partition("@")
-            block = int(block) if block else Blocks().select
+            block = int(block) if block else Blocks().split_select
             splits = (select_splits(batch, args.heads, length, _num_sms(device), block) if count == "auto"
                       else int(count))
 
-            def split_select(blocks=Blocks(select=block, select_splits=splits)):
+            def split_select(blocks=Blocks(split_select=block, select_splits=splits)):
                 decode_select(v, tables, positions, offsets, args.page, args.retention, dense=dense_out, lse=lse,
                               scores=scratch, slots=slots, state=state, max_context=length, blocks=blocks)
             row[f"select_lse_split{splits}@{block}_ms"] = graph_time_ms(split_select, args.reps, args.graph_calls)

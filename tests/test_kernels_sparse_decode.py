@@ -286,7 +286,7 @@ def _kept_scores(case: Case, scored: list[int], splits: int, max_context: int = 
     return dense, lse, scores, plain, plain_lse
 
 
-SPLIT_SELECT = Blocks(select=32, gather=16, select_splits=3)  # shares of 96 keys of a 200-key row
+SPLIT_SELECT = Blocks(split_select=32, gather=16, select_splits=3)  # shares of 96 keys of a 200-key row
 
 
 @pytest.mark.parametrize("dtype, splits, blocks", [
@@ -369,7 +369,7 @@ def test_the_split_select_breaks_ties_across_splits():
     state = _fill(case.state(5))
     decode_select(case.v, case.tables, case.positions, case.off2, case.page_size, 0.1, dense=dense, lse=lse,
                   scores=scores, slots=case.slots, state=state, max_context=48,
-                  blocks=Blocks(select=32, gather=16, select_splits=2))
+                  blocks=Blocks(split_select=32, gather=16, select_splits=2))
     for i, keys in enumerate([[5, 12, 20, 24, 45], [0, 10]]):
         assert _kept(state, int(case.slots[i])).tolist() == [keys] * case.q2.shape[1]
     want = case.state(5)

@@ -273,6 +273,30 @@ def test_cuda_kernels_in_the_engine(any_ckpt, mode, graphs):
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("mode", ["plain", "block-d2"])
+def test_cuda_split_select_in_the_engine(any_ckpt, mode, graphs, monkeypatch):
+    """The split select (several programs per row and head, `select_splits`), which the
+    H200 picks at small batches and long contexts, gives the reference's tokens in the
+    engine, eager and captured in graphs; forced to 3 splits here because these short
+    contexts would keep one program."""
+    import specloop.kernels.sparse_decode as kernels
+
+    chosen = []
+    monkeypatch.setattr(kernels, "select_splits", lambda *args: chosen.append(3) or 3)
+    options = MODES[mode]
+    engine = _engine(any_ckpt, device="cuda", enforce_eager=not graphs, **options)
+    got = _run(engine, PROMPTS)
+    assert chosen, "the engine never ran the fused select"
+    for i, prompt in enumerate(PROMPTS):
+        tokens, logprobs = got[f"r{i}"]
+        want = reference_logprobs(any_ckpt, prompt, tokens, _features(), options.get("exit_threshold"))
+        assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
+        picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("value, message", [
     ({"key_retention": 0.0}, "key_retention must lie in"),
     ({"key_retention": 1.5}, "key_retention must lie in"),

@@ -128,8 +128,10 @@ each share's keys above T and equal to it; the write launch starts each share's 
 at the offset the earlier shares' counts give (equal keys still go to the lowest
 positions) and sums its kept keys' m and C_ref into a partial; a finish launch adds the
 partials and writes the slot. Same kept set as the one-program select; sums in another
-order. Not the default (1) until it is measured on the H200 (`select_splits` chooses
-splits for two waves).
+order. `select_splits` picks the split count for two waves of the GPU from static values
+(1, the one-program select, once the rows alone fill two waves): on the H200 with 512-key
+blocks the split select ran 1.9x faster at 1 x 8K (8 splits) and 4.6x at 1 x 32K (17),
+and batch 32 keeps one program (bench/results/sparse_decode_kernels_h200.json).
 
 Not done: packed INT4 tiles (the runtime gathers reconstructed keys into a paged scratch
 for these kernels, `runtime.sparse_decode.gathered_reader`); the one-program select has Hq
@@ -196,7 +198,8 @@ class Blocks:
     select_warps: int = 8
     splits: int | None = None
     correction_splits: int | None = None  # programs per (row, KV head) of the correction; None: `correction_splits`
-    select_splits: int | None = 1  # programs per (row, head) of `decode_select`'s select; None: `select_splits`
+    select_splits: int | None = None  # programs per (row, head) of `decode_select`'s select; None: `select_splits`
+    split_select: int = 512  # keys per block of the split select's passes (32..32768)
 
 
 def scratch_rows(num_heads: int, max_context: int, budget_bytes: int) -> int:
@@ -219,7 +222,7 @@ def score_splits(rows: int, num_kv_heads: int, max_context: int, num_sms: int) -
 def select_splits(rows: int, num_heads: int, max_context: int, num_sms: int, block: int) -> int:
     """Programs per (row, query head) of the split select, from static values only: two
     waves of the GPU, shares of at least two select blocks, at most 32 (1: the one-program
-    select). Not the default yet (`Blocks.select_splits` is 1): unmeasured on the H200."""
+    select; the default, `Blocks.select_splits` None)."""
     return choose_splits(rows, num_heads, max_context, num_sms, min_keys=2 * block, max_splits=32)
 
 
@@ -417,6 +420,14 @@ def _probs(x_row, j, ok, lse):
 
 
 @triton.jit
+def _prob_bits(x_row, j, ok, lse):
+    """`_probs`'s bits alone (no throwaway name: Triton carries `_` through loops as a
+    variable, and its type may not change from one assignment to the next)."""
+    p, bits = _probs(x_row, j, ok, lse)
+    return bits
+
+
+@triton.jit
 def _row_lse(x_row, n, BLOCK_S: tl.constexpr):
     """log sum_j exp(s_j) over keys 0..n-1 of a scratch row (a running max and sum per lane)."""
     m = tl.full([BLOCK_S], float("-inf"), tl.float32)
@@ -448,7 +459,7 @@ def _radix_select(x_row, n, lse, b, BLOCK_S: tl.constexpr, RADIX_BITS: tl.conste
         for start in range(0, n, BLOCK_S):
             j = start + tl.arange(0, BLOCK_S)
             ok = j < n
-            _, x = _probs(x_row, j, ok, lse)
+            x = _prob_bits(x_row, j, ok, lse)
             if digit > 0:
                 ok = ok & ((x >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
             hist += tl.histogram((x >> shift) & (BINS - 1), BINS, mask=ok)
@@ -481,7 +492,7 @@ def _write_kept_range(x_row, keys_row, lo, hi, lse, threshold, need, b, kept, ti
     for start in range(lo, hi, BLOCK_S):
         j = start + tl.arange(0, BLOCK_S)
         ok = j < hi
-        _, x = _probs(x_row, j, ok, lse)
+        x = _prob_bits(x_row, j, ok, lse)
         above = (ok & (x > threshold)).to(tl.int32)
         tie = (ok & (x == threshold)).to(tl.int32)
         # One scan for both counts: ties in the low 16 bits, keys above T in the high ones.
@@ -511,7 +522,7 @@ def _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, kv_head, stride_vs, st
         ok = i < b
         j = tl.load(keys_row + i, mask=ok, other=0, cache_modifier=".cg")  # written by this program
         j = tl.where((j >= 0) & (j < n), j, 0).to(tl.int64)  # in bounds even for NaN scores
-        p, _ = _probs(x_row, j, ok, lse)
+        p, _bits = _probs(x_row, j, ok, lse)
         page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + j % PAGE_SIZE
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
@@ -631,13 +642,13 @@ def _split_digit_kernel(
         DIGITS: tl.constexpr = (_PATTERN_BITS + RADIX_BITS - 1) // RADIX_BITS
         shift: tl.constexpr = (DIGITS - 1 - DIGIT) * RADIX_BITS
         hist_row = hist_ptr + (row * num_heads + head) * (DIGITS * BINS)
-        prefix, _ = _threshold(hist_row, b, DIGIT, RADIX_BITS)
+        prefix, _need = _threshold(hist_row, b, DIGIT, RADIX_BITS)
         x_row = scratch_ptr + row * stride_xr + head * stride_xh
         hist = tl.zeros([BINS], tl.int32)
         for start in range(lo, hi, BLOCK_S):
             j = start + tl.arange(0, BLOCK_S)
             ok = j < hi
-            _, x = _probs(x_row, j, ok, lse)
+            x = _prob_bits(x_row, j, ok, lse)
             if DIGIT > 0:
                 ok = ok & ((x >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
             hist += tl.histogram((x >> shift) & (BINS - 1), BINS, mask=ok)
@@ -665,14 +676,14 @@ def _split_count_kernel(
     row, head, split, pos, n, b, lse, lo, hi = _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num,
                                                          den, splits, BLOCK_S)
     if lo < hi:
-        threshold, _, x_row = _split_threshold(hist_ptr, scratch_ptr, row, head, num_heads, b, stride_xr, stride_xh,
+        threshold, _need, x_row = _split_threshold(hist_ptr, scratch_ptr, row, head, num_heads, b, stride_xr, stride_xh,
                                                RADIX_BITS)
         above = b * 0
         ties = b * 0
         for start in range(lo, hi, BLOCK_S):
             j = start + tl.arange(0, BLOCK_S)
             ok = j < hi
-            _, x = _probs(x_row, j, ok, lse)
+            x = _prob_bits(x_row, j, ok, lse)
             above += tl.sum((ok & (x > threshold)).to(tl.int32), axis=0)
             ties += tl.sum((ok & (x == threshold)).to(tl.int32), axis=0)
         at = ((row * num_heads + head) * splits + split) * 2
@@ -728,7 +739,7 @@ def _split_finish_kernel(
         n = tl.minimum(pos + 1, max_context)
         b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
         i = tl.arange(0, BLOCK_P)
-        lo, _ = _split_share(n, i, splits, BLOCK_S)
+        lo, _hi = _split_share(n, i, splits, BLOCK_S)
         ran = (i < splits) & (lo < n)
         part = part_ptr + ((row * num_heads + head) * splits + i) * (1 + HEAD_DIM)
         d = tl.arange(0, BLOCK_D)
@@ -809,7 +820,7 @@ def _correction_kernel(
             for start in range(lo, hi, BLOCK_N):
                 ok, k = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, k_ptr, stride_ks,
                                     stride_kh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
-                _, v = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
+                _ok, v = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
                                    stride_vh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
                 s = tl.sum(q[:, None, :] * k, axis=2) * scale  # [G, BLOCK_N], fp32 products
                 s = tl.where(ok, s, float("-inf"))
@@ -864,7 +875,7 @@ def _combine_kernel(
             i = tl.arange(0, BLOCK_P)
             d = tl.arange(0, BLOCK_D)
             part = (row * num_heads + head) * splits + i
-            first, _ = _split_share(count, i, splits, BLOCK_N)  # `_correction_kernel`'s shares
+            first, _last = _split_share(count, i, splits, BLOCK_N)  # `_correction_kernel`'s shares
             ran = (i < splits) & (first < count)  # a split ran iff its share holds a kept key
             m = tl.load(stats_ptr + part * 2, mask=ran, other=float("-inf"))
             l = tl.load(stats_ptr + part * 2 + 1, mask=ran, other=0.0)
@@ -923,9 +934,7 @@ def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     capacity = state.keys.shape[2]
     check_capacity(max_context, key_retention, capacity)
     assert dense.shape == q.shape and dense.dtype == q.dtype and dense.stride(2) == 1, "dense: [N, Hq, D] in q's dtype"
-    assert 16 <= blocks.scores and 32 <= blocks.select <= 1 << 15, (
-        "scores blocks feed tl.dot; select blocks count in 16 bits and hold at least a warp's 32 keys (Triton "
-        "3.6 on the H200 miscounted 16-key blocks)")
+    _check_blocks(blocks)
     if n == 0:
         return
     if scratch is None:
@@ -960,15 +969,24 @@ def decode_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.
         "scores: fp32 [>= N, Hq, >= max_context]")
     assert dense.stride(2) == 1 and v_cache.stride(2) == 1, "the head dim must be contiguous"
     check_capacity(max_context, key_retention, state.keys.shape[2])
+    _check_blocks(blocks)
     if n == 0:
         return
-    splits = blocks.select_splits or select_splits(n, num_heads, max_context, _num_sms(dense.device), blocks.select)
+    splits = blocks.select_splits or select_splits(n, num_heads, max_context, _num_sms(dense.device),
+                                                   blocks.split_select)
     if splits == 1:
         _launch_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, slots, state,
                        scores, 0, n, max_context, blocks, lse=lse)
     else:
         _launch_split_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, lse,
                              scores, slots, state, max_context, splits, blocks)
+
+
+def _check_blocks(blocks: Blocks) -> None:
+    assert 16 <= blocks.scores and 32 <= min(blocks.select, blocks.split_select) and max(
+        blocks.select, blocks.split_select) <= 1 << 15, (
+        "scores blocks feed tl.dot; select blocks count in 16 bits and hold at least a warp's 32 keys (Triton "
+        "3.6 on the H200 miscounted 16-key blocks)")
 
 
 def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
@@ -989,22 +1007,22 @@ def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions:
     common = (scores.stride(0), scores.stride(1))
     for digit in range(digits):
         _split_digit_kernel[grid](scores, positions, lse, hist, *common, lse.stride(0), num_heads, max_context, num,
-                                  den, splits, DIGIT=digit, BLOCK_S=blocks.select, RADIX_BITS=blocks.radix_bits,
+                                  den, splits, DIGIT=digit, BLOCK_S=blocks.split_select, RADIX_BITS=blocks.radix_bits,
                                   num_warps=blocks.select_warps)
     _split_count_kernel[grid](scores, positions, lse, hist, counts, *common, lse.stride(0), num_heads, max_context,
-                              num, den, splits, BLOCK_S=blocks.select, RADIX_BITS=blocks.radix_bits,
+                              num, den, splits, BLOCK_S=blocks.split_select, RADIX_BITS=blocks.radix_bits,
                               num_warps=blocks.select_warps)
     block_p = max(2, triton.next_power_of_2(splits))
     _split_write_kernel[grid](scores, v_cache, tables, positions, table_offsets, slots, lse, hist, counts, part,
                               state.keys, *common, v_cache.stride(0), v_cache.stride(1), lse.stride(0), num_heads,
-                              state.keys.shape[2], max_context, num, den, splits, BLOCK_S=blocks.select,
+                              state.keys.shape[2], max_context, num, den, splits, BLOCK_S=blocks.split_select,
                               BLOCK_V=blocks.gather, BLOCK_P=block_p, RADIX_BITS=blocks.radix_bits,
                               **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps)
     _split_finish_kernel[(n, num_heads)](positions, slots, dense, part, state.count, state.mass, state.o_ref,
                                          state.c_ref, dense.stride(0), dense.stride(1), num_heads, max_context, num,
                                          den, splits, HEAD_DIM=head_dim, BLOCK_D=_shape(num_heads, v_cache,
                                                                                          page_size)["BLOCK_D"],
-                                         BLOCK_S=blocks.select, BLOCK_P=block_p)
+                                         BLOCK_S=blocks.split_select, BLOCK_P=block_p)
 
 
 def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
