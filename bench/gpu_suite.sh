@@ -14,7 +14,8 @@
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
 # the packed reader's kernel tests and its engine and graph-replay tests only; PART=sparse-decode
 # the sparse decode kernels' and engine's GPU tests, the no-sync cases, the feature matrix's graph
-# cells (greedy) and bench/sparse_decode_kernels.py; PART=flashloop-speed bench/flashloop_speed.py (SPEC,
+# cells (greedy) and bench/sparse_decode_kernels.py; PART=sparse-tune the matrix's bf16 graph cells and
+# the sparse decode kernels cold (--layers 8) with variants (SPLITS, CORRECTIONS); PART=flashloop-speed bench/flashloop_speed.py (SPEC,
 # VARIANTS, CASES); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
@@ -75,6 +76,14 @@ if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine
   TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py
   TAIL=12 step 300 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py -k "graph and ${CELLS:-greedy}"
   TAIL=12 step 100 python bench/sparse_decode_kernels.py --reps 10 --out "$OUT/sparse_decode_kernels_h200.json"
+  exit 0
+fi
+if [ "$PART" = sparse-tune ]; then  # the matrix's bf16 graph cells; the sparse decode kernels cold (8 layers), variants
+  timeout 330 python -m pytest -q -rf --tb=line -s tests/test_flashloop_matrix.py -k bf16 > "$OUT/bf16_cells.log" 2>&1
+  grep -E "bf16 cell|passed|failed|FAIL|Error" "$OUT/bf16_cells.log" | tail -60
+  TAIL=40 step 240 python bench/sparse_decode_kernels.py --reps 10 --layers 8 --max-context 33024 --profile \
+    --select-variants "" --split-variants "${SPLITS:-auto@512,auto@512:r10,auto@512:g128,32@512,64@256}" \
+    --correction-variants "${CORRECTIONS:-4,32,64,17:64,32:64}" --out "$OUT/sparse_decode_kernels_cold_h200.json"
   exit 0
 fi
 if [ "$PART" = sparse-profile ]; then  # where a decode step's time goes, dense and with sparse decode attention, 8K

@@ -3,7 +3,9 @@
 the torch backend (fp32), each against the FlashLoop reference with the same
 configuration; and on the GPU under CUDA graphs (fp32, the Triton backend), where every
 cell must replay graphs, and the sparse decode cells their own graphs for passes with
-generated-token rows (with INT4 residuals those passes run eager, which the cell checks).
+generated-token rows (with INT4 residuals those passes run eager, which the cell checks);
+and the same graph cells with the model in bf16, against the fp32 reference within
+bf16's bounds (BF16_TOL).
 
 A cell runs two prompts (90 and 37 tokens) for 6 tokens and checks every emitted token's
 logprob against one reference forward over prompt + emitted tokens (1e-5 on CPU; on the GPU
@@ -66,20 +68,29 @@ def _features(combo: tuple[bool, bool, bool]) -> FlashLoopFeatures:
         kv_residual=KVResidual(bits=4, group_size=64, tail=TAIL) if int4 else None)
 
 
-def _engine(ckpt, combo, mode: str, **kw) -> EngineCore:
+def _engine(ckpt, combo, mode: str, dtype: str = "float32", **kw) -> EngineCore:
     return EngineCore(EngineConfig.from_kwargs(
-        str(ckpt), dtype="float32", num_kv_pages=512, block_size=4, **_options(combo), **MODES[SPEC[mode]], **kw))
+        str(ckpt), dtype=dtype, num_kv_pages=512, block_size=4, **_options(combo), **MODES[SPEC[mode]], **kw))
 
 
-def _check(ckpt, combo, got, sampling: str, tol: float) -> None:
+def _check(ckpt, combo, got, sampling: str, tol: float, near_argmax: bool = False) -> float:
+    """Every emitted token's logprob against the reference's (atol = rtol = tol); greedy
+    tokens are the reference's argmax, or with `near_argmax` (bf16, whose rounding may
+    flip a near tie) within tol of its top logprob. Returns the largest logprob gap."""
+    worst = 0.0
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs = got[f"r{i}"]
         assert len(tokens) == MAX_TOKENS
         want = reference_logprobs(ckpt, prompt, tokens, _features(combo))
         picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
-        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=tol, rtol=tol)
-        if sampling == "greedy":
+        got_lp = torch.tensor(logprobs, dtype=torch.float64)
+        worst = max(worst, float((got_lp - picked).abs().max()))
+        torch.testing.assert_close(got_lp, picked, atol=tol, rtol=tol)
+        if sampling == "greedy" and near_argmax:
+            assert float((want.amax(-1) - picked).max()) <= tol, f"prompt {i}: a greedy token far from the top"
+        elif sampling == "greedy":
             assert tokens == want.argmax(-1).tolist(), f"prompt {i}"
+    return worst
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
@@ -106,5 +117,32 @@ def test_graph_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
     # (as test_cuda_graphs' residual cases allow); seen: 8.7e-4 for prefill+int4 at 416b9cb
     tol = 1e-3 if combo[2] else 1e-4
     _check(tiny_ckpt, combo, run_all(engine, PROMPTS, SAMPLING[sampling]), sampling, tol)
+    assert graphs.replays > 0
+    assert (graphs.sparse_replays > 0) == (combo[1] and not combo[2])
+
+
+# bf16 against the fp32 reference: the engine's own rounding (8-bit mantissas through 4
+# loops of every layer) is the gap. On this checkpoint (logprobs spread over about 4 nats)
+# dense bf16 alone reached 0.10 (seeded; greedy 0.05) on the H200; with sparse decode a
+# bf16 score that crosses the top-b threshold swaps a kept key for loops 3-4, which
+# reached 0.29 (decode-block-seeded; 0.08 between a greedy pick and the reference's top).
+# The bounds are about twice those: they catch a bf16 path that is broken (nats off), not
+# a feature computed wrong, which the fp32 cells above check to 1e-4.
+BF16_TOL = 0.25
+BF16_SPARSE_DECODE_TOL = 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("mode", list(SPEC))
+@pytest.mark.parametrize("combo", COMBOS, ids=_name)
+def test_bf16_graph_cell_near_the_reference(tiny_ckpt, combo, mode, sampling):
+    """The model dtype in bf16 under CUDA graphs, against the fp32 reference of the same
+    configuration: logprobs within the bf16 bound and greedy tokens within it of the top."""
+    engine = _engine(tiny_ckpt, combo, mode, dtype="bfloat16", device="cuda")
+    graphs = engine.executor.runner.graphs
+    tol = BF16_SPARSE_DECODE_TOL if combo[1] else BF16_TOL
+    worst = _check(tiny_ckpt, combo, run_all(engine, PROMPTS, SAMPLING[sampling]), sampling, tol, near_argmax=True)
+    print(f"bf16 cell {_name(combo)} {mode} {sampling}: largest logprob gap {worst:.2e}")
     assert graphs.replays > 0
     assert (graphs.sparse_replays > 0) == (combo[1] and not combo[2])
