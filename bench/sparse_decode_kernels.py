@@ -118,6 +118,9 @@ def main() -> None:
     p.add_argument("--correction-variants", default="1,4",
                    help="correction splits [: kept keys per block] also timed (graphs), besides the default "
                         "`correction_splits`")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="the last SKEW of each row's keys lean towards its query, so the kept keys bunch at the "
+                        "end of the row, as a local window does (0: random keys, kept keys spread evenly)")
     p.add_argument("--profile", action="store_true",
                    help="each kernel's GPU time per call of the default select and correction (torch.profiler)")
     args = p.parse_args()
@@ -140,12 +143,19 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
     layers = args.layers
     calls = -(-args.graph_calls // layers) * layers  # whole rotations
     pages = -(-length // args.page)
+    q = torch.randn(batch, args.heads, args.dim, generator=gen, device=device, dtype=dtype)
     k = [torch.randn(batch * pages * args.page, args.kv_heads, args.dim, generator=gen, device=device, dtype=dtype)
          for _ in range(layers)]
     v = [torch.randn_like(x) for x in k]
-    q = torch.randn(batch, args.heads, args.dim, generator=gen, device=device, dtype=dtype)
     tables = torch.randperm(batch * pages, generator=gen, device=device)  # pages out of order, as in a pool
     offsets = torch.arange(batch, dtype=torch.long, device=device) * pages
+    if args.skew > 0:  # the last skew x length keys of each row lean towards its query: they score highest
+        recent = torch.arange(int(length * (1 - args.skew)), length, device=device)
+        for r in range(batch):
+            slot = tables[r * pages + recent // args.page] * args.page + recent % args.page
+            lean = q[r, :: args.heads // args.kv_heads].to(torch.float32)  # [Hkv, D]
+            for x in k:
+                x[slot] = (x[slot].float() + 2 * lean).to(dtype)
     positions = torch.full((batch,), length - 1, dtype=torch.long, device=device)
     tile_rows = max(1, 16 // block_g(args.heads, args.kv_heads))
     tiles = torch.tensor(query_tiles([(i, 1, i * pages) for i in range(batch)], tile_rows),
@@ -199,9 +209,10 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
         correction_triton(q, k[i], v[i], tables, positions, offsets, args.page, slots=slots, state=state[i], out=out,
                           blocks=blocks)
 
-    for i in range(layers):
+    for i in range(layers):  # every layer's state filled before any correction is timed
         dense(i)
         scores(i)
+        select(i)
     row = {"length": length, "batch": batch, "layers": layers, "kept_keys": key_budget(length, args.retention),
            "capacity": capacity, "dense_splits": dense_splits,
            "correction_splits": correction_splits(batch, args.kv_heads, capacity, _num_sms(device)),

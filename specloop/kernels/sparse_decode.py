@@ -192,7 +192,7 @@ class Blocks:
 
     scores: int = 64  # keys per block of the scores kernel (>= 16: tl.dot)
     select: int = 2048  # keys per block of the select kernel's passes (32..32768)
-    gather: int = 64  # kept keys per block of the select kernel's V gather
+    gather: int = 128  # kept keys per block of the select's V gather (128: 6-13% faster than 64 on the H200)
     correction: int = 32  # kept keys per block of the correction kernel
     radix_bits: int = 8  # digit of the radix select: 8 bits is 4 counting passes, 10 or 11 bits 3
     select_warps: int = 8
@@ -227,12 +227,16 @@ def select_splits(rows: int, num_heads: int, max_context: int, num_sms: int, blo
 
 
 def correction_splits(rows: int, num_kv_heads: int, capacity: int, num_sms: int) -> int:
-    """Programs per (row, KV head) of the correction, from static values only: at least two
-    waves of the GPU and one split per 256 kept keys of the capacity (its gathers are bound
-    by latency, not bandwidth: 4 splits ran 1.4x faster than 1 at 32 x 8K on the H200), no
-    share under 64 keys, at most 64 splits. Shares are cut on the device from each row's
-    count, so splits past a short row's keys exit at once."""
-    waves = choose_splits(rows, num_kv_heads, capacity, num_sms, min_keys=64, max_splits=64)
+    """Programs per (row, KV head) of the correction, from static values only: eight waves
+    of the GPU and at least one split per 256 kept keys of the capacity, no share under 64
+    keys, at most 64 splits. Its gathers are bound by latency, not bandwidth, so more
+    programs in flight pay past the two waves a bandwidth-bound kernel wants: at batch 1
+    and 32K (capacity 3303; this rule gives 51) 32 and 64 splits took 30 and 24 us a call
+    against 41 for the 17 of two waves, on the H200 with the layers' data cold in L2
+    (bench/results/sparse_decode_kernels_cold_skew0_h200.json).
+    Shares are cut on the device from each row's count, so splits past a short row's keys
+    exit at once."""
+    waves = -(-8 * num_sms // max(1, rows * num_kv_heads))
     return max(1, min(64, capacity // 64, max(waves, capacity // 256)))
 
 
@@ -588,8 +592,9 @@ def _select_kernel(
 # one program per (row, head) leaves most of the GPU idle. Its rows' scores and lse come
 # from the dense launch (`decode_select`); the launches share global per-digit histograms
 # (a launch boundary orders each digit after the last), then the keys kept and tied per
-# split, then partial sums. Every program of a (row, head) derives the threshold from the
-# histograms alone, so the kept set is the one-program select's.
+# split, then the kept positions, then partial sums over shares of the kept list (balanced
+# however the kept keys bunch along the row). Every program of a (row, head) derives the
+# threshold from the histograms alone, so the kept set is the one-program select's.
 
 @triton.jit
 def _split_share(n, split, splits, BLOCK_S: tl.constexpr):
@@ -693,14 +698,12 @@ def _split_count_kernel(
 
 @triton.jit
 def _split_write_kernel(
-    scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, lse_ptr, hist_ptr, counts_ptr,
-    part_ptr, keys_ptr, stride_xr, stride_xh, stride_vs, stride_vh, stride_ln, num_heads, capacity, max_context,
-    num, den, splits,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, RADIX_BITS: tl.constexpr,
+    scratch_ptr, positions_ptr, slots_ptr, lse_ptr, hist_ptr, counts_ptr, keys_ptr, stride_xr, stride_xh,
+    stride_ln, num_heads, capacity, max_context, num, den, splits,
+    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
     """Per (row, head, split): its kept keys' positions, at the offset the earlier splits'
-    counts give, then m and C_ref summed over them into the split's partial [1 + D]."""
+    counts give."""
     row, head, split, pos, n, b, lse, lo, hi = _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num,
                                                          den, splits, BLOCK_S)
     if lo < hi:
@@ -714,11 +717,35 @@ def _split_write_kernel(
         first = above_before + tl.minimum(ties_before, need)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         keys_row = keys_ptr + (slot * num_heads + head) * capacity
-        last = _write_kept_range(x_row, keys_row, lo, hi, lse, threshold, need, b, first, ties_before, BLOCK_S)
-        tl.debug_barrier()  # the kept positions, written above by other threads, are read below
+        _write_kept_range(x_row, keys_row, lo, hi, lse, threshold, need, b, first, ties_before, BLOCK_S)
+
+
+@triton.jit
+def _split_gather_kernel(
+    scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, lse_ptr, part_ptr, keys_ptr,
+    stride_xr, stride_xh, stride_vs, stride_vh, stride_ln, num_heads, capacity, max_context, num, den, splits,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Per (row, head, split): m and C_ref summed over the split's share of the b kept
+    entries (shares of the kept list, not of the keys: kept keys bunched in a few key
+    ranges, as recent keys and sinks are, still spread over every split) into its partial
+    [1 + D]."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    n = tl.maximum(tl.minimum(pos + 1, max_context), 0)
+    b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
+    lo, hi = _split_share(b, split, splits, BLOCK_V)
+    if lo < hi:
+        lse = tl.load(lse_ptr + row * stride_ln + head)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        keys_row = keys_ptr + (slot * num_heads + head) * capacity
+        x_row = scratch_ptr + row * stride_xr + head * stride_xh
         table = tl.load(offsets_ptr + row).to(tl.int64)
         mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs, stride_vh,
-                                 n, lse, tl.minimum(last, b), PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D, first=first)
+                                 n, lse, hi, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D, first=lo)
         part = part_ptr + ((row * num_heads + head) * splits + split) * (1 + HEAD_DIM)
         d = tl.arange(0, BLOCK_D)
         tl.store(part, mass)
@@ -729,9 +756,10 @@ def _split_write_kernel(
 def _split_finish_kernel(
     positions_ptr, slots_ptr, dense_ptr, part_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr, stride_dn, stride_dh,
     num_heads, max_context, num, den, splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Per (row, head): m and C_ref from the splits that held keys, O_ref, and the count."""
+    """Per (row, head): m and C_ref from the gather's splits that held kept entries, O_ref,
+    and the count."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(positions_ptr + row).to(tl.int64)
@@ -739,8 +767,8 @@ def _split_finish_kernel(
         n = tl.minimum(pos + 1, max_context)
         b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
         i = tl.arange(0, BLOCK_P)
-        lo, _hi = _split_share(n, i, splits, BLOCK_S)
-        ran = (i < splits) & (lo < n)
+        lo, _hi = _split_share(b, i, splits, BLOCK_V)  # `_split_gather_kernel`'s shares
+        ran = (i < splits) & (lo < b)
         part = part_ptr + ((row * num_heads + head) * splits + i) * (1 + HEAD_DIM)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
@@ -994,8 +1022,9 @@ def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions:
                          lse: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, state: SlotState,
                          max_context: int, splits: int, blocks: Blocks) -> None:
     """The select split over `splits` programs per (row, head): one histogram launch per
-    digit, the kept and tied counts per split, the kept keys with their partial sums, and
-    the finish (no host sync; a fixed launch sequence for fixed shapes)."""
+    digit, the kept and tied counts per split, the kept keys, their partial sums over
+    shares of the kept list, and the finish (no host sync; a fixed launch sequence for
+    fixed shapes)."""
     n, num_heads, head_dim = dense.shape
     num, den = retention_fraction(key_retention)
     bins = 1 << blocks.radix_bits
@@ -1013,16 +1042,19 @@ def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions:
                               num, den, splits, BLOCK_S=blocks.split_select, RADIX_BITS=blocks.radix_bits,
                               num_warps=blocks.select_warps)
     block_p = max(2, triton.next_power_of_2(splits))
-    _split_write_kernel[grid](scores, v_cache, tables, positions, table_offsets, slots, lse, hist, counts, part,
-                              state.keys, *common, v_cache.stride(0), v_cache.stride(1), lse.stride(0), num_heads,
-                              state.keys.shape[2], max_context, num, den, splits, BLOCK_S=blocks.split_select,
-                              BLOCK_V=blocks.gather, BLOCK_P=block_p, RADIX_BITS=blocks.radix_bits,
-                              **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps)
+    _split_write_kernel[grid](scores, positions, slots, lse, hist, counts, state.keys, *common, lse.stride(0),
+                              num_heads, state.keys.shape[2], max_context, num, den, splits,
+                              BLOCK_S=blocks.split_select, BLOCK_P=block_p, RADIX_BITS=blocks.radix_bits,
+                              num_warps=blocks.select_warps)
+    shape = _shape(num_heads, v_cache, page_size)
+    _split_gather_kernel[grid](scores, v_cache, tables, positions, table_offsets, slots, lse, part, state.keys,
+                               *common, v_cache.stride(0), v_cache.stride(1), lse.stride(0), num_heads,
+                               state.keys.shape[2], max_context, num, den, splits, BLOCK_V=blocks.gather, **shape,
+                               num_warps=blocks.select_warps)
     _split_finish_kernel[(n, num_heads)](positions, slots, dense, part, state.count, state.mass, state.o_ref,
                                          state.c_ref, dense.stride(0), dense.stride(1), num_heads, max_context, num,
-                                         den, splits, HEAD_DIM=head_dim, BLOCK_D=_shape(num_heads, v_cache,
-                                                                                         page_size)["BLOCK_D"],
-                                         BLOCK_S=blocks.split_select, BLOCK_P=block_p)
+                                         den, splits, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],
+                                         BLOCK_V=blocks.gather, BLOCK_P=block_p)
 
 
 def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
