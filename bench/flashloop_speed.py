@@ -17,12 +17,16 @@ with --eager, none), max_num_seqs, max_num_batched_tokens, a KV pool of --kv-byt
 
 Cases (--cases, `RxL`): R requests of L random prompt tokens submitted at once, each
 decoding --decode-tokens tokens (greedy, ignore EOS), after a warm-up request of
---warmup-tokens (at most L) tokens. It
-reports decode throughput (generated tokens after each request's first, over the time from
-the last first token to the end: the decode phase), the time to the last first token, the
-most requests running at once and preemptions (a pool that cannot hold R x L tokens runs
-them in waves), the peak CUDA memory over the case and the engine's resident memory, and
-with speculation the mean accepted tokens per round. With a random checkpoint the draft
+--warmup-tokens (at most L) tokens. It reports (`kv_residual.decode_phase`) decode
+throughput in the decode phase (the tokens emitted after the last first token over the
+time from it to the end, and the mean requests emitting in those steps: with several
+requests, those still decoding then), the mean time per output token of each request, all
+output tokens over the case's wall time, the time to the last first token, the most
+requests running at once and preemptions (a pool that cannot hold R x L tokens admits
+them as others finish), the peak CUDA memory over the case and the engine's resident
+memory, and with speculation the mean accepted tokens per round. Before 2026-12-03 the
+decode throughput counted every generated token over the decode phase's time, tokens
+decoded while later prompts still ran included: with several requests that overstated it. With a random checkpoint the draft
 rarely agrees with the verifier, so speculation's speed here is its cost at near-zero
 acceptance, not its gain.
 """
@@ -42,7 +46,7 @@ from specloop.checkpoint import load_model, load_tokenizer
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 
-from kv_residual import _free, _prompt, log, run  # noqa: E402 -- bench/ is the script's folder
+from kv_residual import _free, _prompt, decode_phase, log, run  # noqa: E402 -- bench/ is the script's folder
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "dense": {},
@@ -77,11 +81,8 @@ def case(args: argparse.Namespace, engine: EngineCore, count: int, length: int, 
     m = engine.metrics
     before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
     r = run(engine, {f"d{i}": _prompt(length, vocab, 200 + i) for i in range(count)}, args.decode_tokens, cuda)
-    t0, t1 = max(r["first"].values()), max(r["done"].values())
-    generated = sum(n - 1 for n in r["tokens"].values())
-    out = {"requests": count, "prompt": length, "decode_tokens": args.decode_tokens,
-           "decode_tok_s": generated / (t1 - t0) if t1 > t0 else float("nan"), "decode_s": t1 - t0,
-           "ttft_last_s": t0, "most_running": r["most_running"], "preemptions": r["preemptions"],
+    out = {"requests": count, "prompt": length, "decode_tokens": args.decode_tokens, **decode_phase(r),
+           "most_running": r["most_running"], "preemptions": r["preemptions"],
            "peak_over_resident_gib": ((torch.cuda.max_memory_allocated() if cuda else 0) - resident) / 2**30,
            "resident_gib": resident / 2**30}
     stats = engine.stats()
@@ -139,7 +140,9 @@ def main() -> None:
             for count, length in args.cases:
                 c = case(args, engine, count, length, cuda)
                 res["cases"].append(c)
-                log(f"  {count} x {length}: {c['decode_tok_s']:.1f} tok/s, last first token at {c['ttft_last_s']:.1f} s, "
+                log(f"  {count} x {length}: {c['decode_tok_s']:.1f} tok/s, {c['tpot_ms']:.1f} ms a token, "
+                    f"{c['output_tok_s']:.1f} output tok/s, last first token at {c['ttft_last_s']:.1f} s "
+                    f"({c['decode_batch']:.1f} decoding after it), "
                     f"{c['most_running']} running at most, {c['preemptions']} preemptions, peak +"
                     f"{c['peak_over_resident_gib']:.2f} GiB")
                 Path(args.out).write_text(json.dumps(record, indent=1, default=str))  # a cut-short run keeps it

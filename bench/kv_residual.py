@@ -77,8 +77,9 @@ def engine_for(args: argparse.Namespace, model: Any, tokenizer: Any, options: di
 
 def run(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int, cuda: bool,
         sample: str | None = None) -> dict[str, Any]:
-    """Run the prompts to the end; per-request first-token and end times, the most running at
-    once, and (sample) the request's held bytes at each step it ran."""
+    """Run the prompts to the end; per-request first-token and end times, each step's end
+    time, tokens emitted and requests emitting them (`steps`), the most running at once, and (sample)
+    the request's held bytes at each step it ran."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     _sync(cuda)
     start = time.perf_counter()
@@ -87,23 +88,42 @@ def run(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int, cuda
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     tokens = {rid: 0 for rid in prompts}
+    steps: list[tuple[float, int, int]] = []
     most, held = 0, []
     while engine.has_unfinished():
-        for o in engine.step():
+        outputs = engine.step()
+        now = time.perf_counter() - start  # one time a step: its outputs came out together
+        for o in outputs:
             assert o.error is None, o.error
-            now = time.perf_counter() - start
             first.setdefault(o.request_id, now)
             tokens[o.request_id] += len(o.token_ids)
             if o.finished:
                 done[o.request_id] = now
+        steps.append((now, sum(len(o.token_ids) for o in outputs), sum(1 for o in outputs if o.token_ids)))
         most = max(most, len(engine.scheduler.running))
         if sample is not None:
             stats = engine.stats()
             if sample in stats.kv_bytes_per_request:
                 held.append((tokens[sample], stats.kv_bytes_per_request[sample], stats.kv_record_bytes_used))
     _sync(cuda)
-    return {"first": first, "done": done, "tokens": tokens, "most_running": most, "held": held,
+    return {"first": first, "done": done, "tokens": tokens, "steps": steps, "most_running": most, "held": held,
             "wall_s": time.perf_counter() - start, "preemptions": engine.scheduler.num_preemptions}
+
+
+def decode_phase(r: dict[str, Any]) -> dict[str, float]:
+    """Decode speed from a `run`: the tokens emitted after the last first token over the time
+    from it to the end, and the mean requests emitting in those steps (every request is past
+    its prompt then, so no prefill shares them; tokens that earlier requests decoded while
+    later prompts ran are not counted), the mean time per output token
+    over requests (their own first to last token, prefill steps of others included), and
+    all output tokens over the whole run."""
+    t0, t1 = max(r["first"].values()), max(r["done"].values())
+    after = [(n, rows) for t, n, rows in r["steps"] if t > t0]
+    tpot = [(r["done"][k] - r["first"][k]) / (n - 1) for k, n in r["tokens"].items() if n > 1]
+    return {"decode_tok_s": sum(n for n, _ in after) / (t1 - t0) if t1 > t0 else float("nan"),
+            "decode_s": t1 - t0, "decode_batch": sum(b for _, b in after) / len(after) if after else 0.0,
+            "ttft_last_s": t0, "tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
+            "output_tok_s": sum(r["tokens"].values()) / r["wall_s"]}
 
 
 def memory_part(args, model, tokenizer, options, cuda, out: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -154,14 +174,11 @@ def decode_part(args, model, tokenizer, options, cuda, out: list[dict[str, Any]]
         prompts = {f"d{i}": _prompt(length, model.config.vocab_size, 200 + i) for i in range(count)}
         run(engine, {"warm": _prompt(min(length, 256), model.config.vocab_size, 7)}, 4, cuda)  # compile, warm
         r = run(engine, prompts, args.decode_tokens, cuda)
-        t0 = max(r["first"].values())
-        t1 = max(r["done"].values())
-        generated = sum(n - 1 for n in r["tokens"].values())
-        rate = generated / (t1 - t0) if t1 > t0 else float("nan")
-        out.append({"requests": count, "prompt": length, "decode_tokens": args.decode_tokens,
-                    "decode_tok_s": rate, "decode_s": t1 - t0, "ttft_last_s": t0, "most_running": r["most_running"],
-                    "preemptions": r["preemptions"]})
-        log(f"  decode {count} x {length}: {rate:.1f} tok/s ({t1 - t0:.2f} s), last first token at {t0:.2f} s")
+        phase = decode_phase(r)
+        out.append({"requests": count, "prompt": length, "decode_tokens": args.decode_tokens, **phase,
+                    "most_running": r["most_running"], "preemptions": r["preemptions"]})
+        log(f"  decode {count} x {length}: {phase['decode_tok_s']:.1f} tok/s ({phase['decode_s']:.2f} s), "
+            f"{phase['tpot_ms']:.1f} ms a token, last first token at {phase['ttft_last_s']:.2f} s")
         if args.save is not None:
             args.save()
         del engine
