@@ -16,7 +16,8 @@
 # the sparse decode kernels' and engine's GPU tests, the no-sync cases, the feature matrix's graph
 # cells (greedy, fp32 and bf16) and bench/sparse_decode_kernels.py; PART=sparse-tune the matrix's bf16 graph cells and
 # the sparse decode kernels cold (--layers 8) with variants (SPLITS, CORRECTIONS); PART=flashloop-speed bench/flashloop_speed.py (SPEC,
-# VARIANTS, CASES, WARMUP: warm-up prompt tokens, e.g. the case length to keep compilation out of the TTFT); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention. Unset: tests,
+# VARIANTS, CASES, WARMUP: warm-up prompt tokens, e.g. the case length to keep compilation out of the TTFT;
+# DECODE: tokens each request decodes; TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -97,10 +98,10 @@ if [ "$PART" = sparse-profile ]; then  # where a decode step's time goes, dense 
 fi
 if [ "$PART" = flashloop-speed ]; then  # bench/flashloop_speed.py: SPEC (none,block) and VARIANTS, CASES
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
-  TAIL=60 step 560 python bench/flashloop_speed.py --model /tmp/ouro14 --speculation "${SPEC:-none}" \
+  TAIL=60 step ${LIMIT:-560} python bench/flashloop_speed.py --model /tmp/ouro14 --speculation "${SPEC:-none}" \
     --variants "${VARIANTS:-dense,prefill,sparse-decode,int4,all}" --cases "${CASES:-1x8192,1x32768,32x8192}" \
-    --max-model-len 33024 ${WARMUP:+--warmup-tokens "$WARMUP"} \
-    --out "$OUT/flashloop_speed_${SPEC:-none}_h200.json"
+    --max-model-len 33024 ${WARMUP:+--warmup-tokens "$WARMUP"} ${DECODE:+--decode-tokens "$DECODE"} \
+    --out "$OUT/flashloop_speed_${SPEC:-none}${TAG:+_$TAG}_h200.json"
   exit 0
 fi
 if [ "$PART" = residual-capacity ]; then

@@ -605,14 +605,22 @@ def _split_share(n, split, splits, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num, den, splits, BLOCK_S: tl.constexpr):
-    """The program's row, head and split; its position, n, budget b, lse and key range."""
+def _split_program(positions_ptr, max_context, num, den):
+    """The program's row, head and split; its position, key count n (0 for a padding row)
+    and budget b (`key_budget`)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     split = tl.program_id(2)
     pos = tl.load(positions_ptr + row).to(tl.int64)
     n = tl.maximum(tl.minimum(pos + 1, max_context), 0)
-    b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
+    b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)
+    return row, head, split, pos, n, b
+
+
+@triton.jit
+def _split_row(positions_ptr, lse_ptr, stride_ln, max_context, num, den, splits, BLOCK_S: tl.constexpr):
+    """`_split_program`, the row's lse and the split's key range."""
+    row, head, split, pos, n, b = _split_program(positions_ptr, max_context, num, den)
     lse = tl.load(lse_ptr + row * stride_ln + head, mask=pos >= 0, other=0.0)
     lo, hi = _split_share(n, split, splits, BLOCK_S)
     return row, head, split, pos, n, b, lse, lo, hi
@@ -731,12 +739,7 @@ def _split_gather_kernel(
     entries (shares of the kept list, not of the keys: kept keys bunched in a few key
     ranges, as recent keys and sinks are, still spread over every split) into its partial
     [1 + D]."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    pos = tl.load(positions_ptr + row).to(tl.int64)
-    n = tl.maximum(tl.minimum(pos + 1, max_context), 0)
-    b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
+    row, head, split, pos, n, b = _split_program(positions_ptr, max_context, num, den)
     lo, hi = _split_share(b, split, splits, BLOCK_V)
     if lo < hi:
         lse = tl.load(lse_ptr + row * stride_ln + head)
@@ -760,12 +763,8 @@ def _split_finish_kernel(
 ):
     """Per (row, head): m and C_ref from the gather's splits that held kept entries, O_ref,
     and the count."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    pos = tl.load(positions_ptr + row).to(tl.int64)
+    row, head, _split, pos, n, b = _split_program(positions_ptr, max_context, num, den)  # grid (rows, heads)
     if pos >= 0:
-        n = tl.minimum(pos + 1, max_context)
-        b = tl.minimum(n, tl.maximum((n * num + den - 1) // den, 1)).to(tl.int32)  # `key_budget`
         i = tl.arange(0, BLOCK_P)
         lo, _hi = _split_share(b, i, splits, BLOCK_V)  # `_split_gather_kernel`'s shares
         ran = (i < splits) & (lo < b)
