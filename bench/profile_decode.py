@@ -11,7 +11,10 @@ steps it records:
   batch, enqueueing the call (Runner.execute minus the build), waiting for the result
   (Ticket.result) and committing (the rest of EngineCore.step);
 - from torch.profiler over the same kind of window: CUDA kernel time per step and the
-  kernels that take most of it; wall time minus kernel time is what the GPU sits idle.
+  kernels that take most of it; wall time minus kernel time is what the GPU sits idle;
+- the tokens the window emitted (tokens_per_s, rows_per_step) and the requests running and
+  waiting at its start: a pool that holds fewer than the batch decodes fewer rows a step
+  (before 2026-12-03 tokens_per_s assumed every request emitted at every step).
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ def _case(engine: EngineCore, batch: int, steps: int, vocab: int, prompt: int = 
     try:
         torch.cuda.synchronize()
         t0, n0 = time.perf_counter(), engine.executor.num_submitted
+        running, waiting, emitted = len(engine.scheduler.running), len(engine.scheduler.waiting), 0
         for _ in range(steps):
-            engine.step()
+            emitted += sum(len(o.token_ids) for o in engine.step())
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         calls = engine.executor.num_submitted - n0
@@ -94,7 +98,8 @@ def _case(engine: EngineCore, batch: int, steps: int, vocab: int, prompt: int = 
     host["enqueue"] = host.get("execute", 0) - host.get("build", 0)  # execute includes the build
     host["commit_and_rest"] = 1e3 * wall / steps - sum(host[k] for k in ("plan", "execute", "wait"))
     return {"batch": batch, "prompt": prompt, "steps": steps, "calls": calls, "wall_ms_per_step": 1e3 * wall / steps,
-            "tokens_per_s": batch * steps / wall, "host_ms_per_step": host,
+            "tokens_per_s": emitted / wall, "rows_per_step": emitted / steps, "running": running,
+            "waiting": waiting, "host_ms_per_step": host,
             "kernel_ms_per_step": kernel_us / 1e3 / steps,
             "gpu_idle_fraction": max(0.0, 1 - (kernel_us / 1e6 / steps) / (wall / steps)),
             "top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in kernels.most_common(top)}}
@@ -124,7 +129,8 @@ def main() -> None:
               "torch": torch.__version__, "engine": engine.config.summary(), "cases": cases}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     for c in cases:
-        print(json.dumps({k: c[k] for k in ("batch", "wall_ms_per_step", "tokens_per_s", "kernel_ms_per_step",
+        print(json.dumps({k: c[k] for k in ("batch", "rows_per_step", "running", "waiting", "wall_ms_per_step",
+                                            "tokens_per_s", "kernel_ms_per_step",
                                             "gpu_idle_fraction", "host_ms_per_step")}))
         for k, v in list(c["top_kernels_ms_per_step"].items())[:args.top]:
             print(f"   {v:8.3f} ms  {k[:100]}")
