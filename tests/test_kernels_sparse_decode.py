@@ -37,7 +37,7 @@ import torch
 
 from specloop.kernels.sparse_decode import (
     Blocks, SlotState, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
-    decode_select, decode_source, key_budget, key_budgets, scratch_rows, source_reference, source_triton,
+    decode_select, decode_source, key_budget, key_budgets, scratch_keys, scratch_rows, source_reference, source_triton,
 )
 from specloop.kernels.paged_attention import block_g, paged_attention
 from specloop.model.flashloop_reference import (
@@ -518,7 +518,9 @@ def test_chunks_of_a_small_scratch_give_the_same_state():
             torch.testing.assert_close(getattr(states[2], name), getattr(states[0], name), atol=1e-6, rtol=1e-6)
         else:
             assert torch.equal(getattr(states[2], name), getattr(states[0], name)), name
-    assert scratch_rows(4, MAX_CONTEXT, 3 * 4 * MAX_CONTEXT * 4 + 5) == 3 and scratch_rows(4, MAX_CONTEXT, 0) == 1
+    assert scratch_keys(MAX_CONTEXT) == 208 and scratch_keys(208) == 208 and scratch_keys(1) == 16
+    row_bytes = 4 * scratch_keys(MAX_CONTEXT) * 4  # rows of whole 16-key blocks
+    assert scratch_rows(4, MAX_CONTEXT, 3 * row_bytes + 5) == 3 and scratch_rows(4, MAX_CONTEXT, 0) == 1
 
 
 def test_capacity_below_a_budget_is_an_error():

@@ -538,3 +538,17 @@ def test_the_dense_launch_keeps_scores_only_when_the_scratch_holds_every_source(
     assert refs.scores_for(view.shape[0] + 1, 16) is None and refs.scores_for(0, 16) is None
     assert refs.scores_for(3, 99)[0].shape == (2, 16)  # contexts past max_context are cut to it
     assert DecodeReferences(4, 2, 2, 8, 16, 0.5, torch.float32, torch.device("cpu")).scores_for(1, 16) is None
+
+
+def test_the_scratch_keeps_strides_of_whole_16_key_blocks_at_every_context():
+    """An eager pass shapes the scratch view by its longest context; rows of whole 16-key
+    blocks keep the view's strides multiples of 16, so the kernels compile no variant for a
+    new context, and the buffer holds a row at the longest context too."""
+    refs = DecodeReferences(4, 2, 3, 8, 37, 0.5, torch.float32, torch.device("cpu"), max_rows=1)
+    assert refs.scratch.numel() == 3 * 48  # one row of 3 heads x 48 keys
+    for context in range(1, 38):
+        view = refs.scores_for(1, context)
+        assert view is not None and view.shape[2] >= context and view.shape[2] % 16 == 0, context
+        assert view.stride(0) % 16 == 0 and view.stride(1) % 16 == 0, context
+    bytes_of = DecodeReferences.nbytes(4, 2, 3, 8, 37, 0.5, torch.float32, max_rows=1)
+    assert bytes_of == DecodeReferences.nbytes(4, 2, 3, 8, 37, 0.5, torch.float32) + refs.scratch.numel() * 4

@@ -328,16 +328,22 @@ def _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES: tl.constexpr):
     return first, rows, table
 
 
-@triton.jit
+# The index arrays are slices of a pass's arrays at any offset, and the split count follows
+# the pass's longest context: neither is specialized, so a new length compiles no variant
+# inside a request (`bench/compile_variants.py`).
+_INDEX_POINTERS = ["tables_ptr", "cell_ptr", "depth_ptr", "position_ptr", "table_offset_ptr", "tiles_ptr"]
+
+
+@triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=_INDEX_POINTERS)
 def _attention_kernel(
     q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
     v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
     tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
-    num_heads, num_kv_heads, max_groups, max_len, scale,
+    num_heads, num_kv_heads, max_groups, max_len, scale, splits,
     PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr,
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
@@ -360,7 +366,7 @@ def _attention_kernel(
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=lane_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
-        chunk = tl.cdiv(tl.cdiv(context, SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(context, splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(context, lo + chunk)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -416,22 +422,22 @@ def _attention_kernel(
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
         lse = tl.where(empty, float("-inf"), m_i + tl.log(l_safe))
-        if SPLITS == 1:
+        if not SPLIT:
             o = round_to(o, out_ptr.dtype.element_ty, BF16_BY_HAND)
             tl.store(out_ptr + row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=lane_ok[:, None] & d_ok[None, :])
             if WRITE_LSE:
                 tl.store(lse_ptr + row * stride_ln + head, lse, mask=lane_ok)
         else:
-            at = (row * num_heads + head) * SPLITS + split
+            at = (row * num_heads + head) * splits + split
             tl.store(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], o, mask=lane_ok[:, None])
             tl.store(part_lse_ptr + at, lse, mask=lane_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=_INDEX_POINTERS)
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, position_ptr, tiles_ptr, out_ptr, lse_ptr, stride_on, stride_oh, stride_ln,
-    num_heads, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_TILES: tl.constexpr, SPLITS: tl.constexpr,
+    num_heads, splits, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Per (row r of a tile, query head): the splits' outputs weighted by exp(lse_s - lse)."""
@@ -449,8 +455,8 @@ def _combine_kernel(
         if tl.load(position_ptr + n) >= 0:
             s = tl.arange(0, BLOCK_S)
             d = tl.arange(0, BLOCK_D)
-            s_ok = s < SPLITS
-            at = (n * num_heads + head) * SPLITS + s
+            s_ok = s < splits
+            at = (n * num_heads + head) * splits + s
             lse_s = tl.load(part_lse_ptr + at, mask=s_ok, other=float("-inf"))
             top = tl.max(lse_s, axis=0)  # finite: split 0 always holds key 0
             w = tl.exp(lse_s - top)
@@ -463,7 +469,7 @@ def _combine_kernel(
                 tl.store(lse_ptr + n * stride_ln + head, top + tl.log(total))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_INDEX_POINTERS)
 def _read_keys_kernel(
     k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
     seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
@@ -592,9 +598,9 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse,
         q.stride(0), q.stride(1), k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1),
         out.stride(0), out.stride(1), lse_stride,
-        num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5,
+        num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5, num_splits,
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
-        BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLITS=num_splits,
+        BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
         enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}),
         **common,
@@ -602,7 +608,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     if num_splits > 1:
         _combine_kernel[(num_tiles * tile_rows, num_heads)](
             part_o, part_lse, position, tiles_arg, out, lse_arg, out.stride(0), out.stride(1), lse_stride,
-            num_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None, SPLITS=num_splits,
+            num_heads, num_splits, HEAD_DIM=head_dim, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=common["BLOCK_D"],
             BF16_BY_HAND=common["BF16_BY_HAND"], WRITE_LSE=return_lse,
         )

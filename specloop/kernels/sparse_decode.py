@@ -202,10 +202,16 @@ class Blocks:
     split_select: int = 512  # keys per block of the split select's passes (32..32768)
 
 
+def scratch_keys(max_context: int) -> int:
+    """A scores scratch row's length: max_context rounded up to 16 keys, so the scratch's
+    strides are the same multiples of 16 at every context (one kernel variant)."""
+    return -(-max_context // 16) * 16
+
+
 def scratch_rows(num_heads: int, max_context: int, budget_bytes: int) -> int:
-    """Rows of a [rows, Hq, max_context] fp32 scores scratch that fit in budget_bytes (at
-    least one): a source runs its rows in chunks of that many."""
-    return max(1, budget_bytes // (num_heads * max_context * 4))
+    """Rows of a [rows, Hq, scratch_keys(max_context)] fp32 scores scratch that fit in
+    budget_bytes (at least one): a source runs its rows in chunks of that many."""
+    return max(1, budget_bytes // (num_heads * scratch_keys(max_context) * 4))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -368,6 +374,10 @@ def correction_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 # --- Triton kernels -------------------------------------------------------------------
+# `max_context` is not specialized: an eager pass passes its own longest context, and a
+# new divisibility by 16 would compile a new variant inside a request
+# (`bench/compile_variants.py`); the scratch's strides stay multiples of 16 instead
+# (`scratch_keys`).
 
 @triton.jit
 def _dot(a, b, DOT_FP32: tl.constexpr):
@@ -377,7 +387,7 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_context"])
 def _scores_kernel(
     q_ptr, k_ptr, tables_ptr, positions_ptr, offsets_ptr, scratch_ptr,
     first, stride_qn, stride_qh, stride_ks, stride_kh, stride_xr, stride_xh, max_context, splits, scale,
@@ -551,7 +561,7 @@ def _store_state(dense_ptr, row, head, stride_dn, stride_dh, slot, at, b, mass, 
         tl.store(count_ptr + slot, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_context"])
 def _select_kernel(
     scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, dense_ptr, lse_ptr,
     keys_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr,
@@ -640,7 +650,7 @@ def _threshold(hist_row, b, DIGIT: tl.constexpr, RADIX_BITS: tl.constexpr):
     return prefix, need
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_context"])
 def _split_digit_kernel(
     scratch_ptr, positions_ptr, lse_ptr, hist_ptr, stride_xr, stride_xh, stride_ln, num_heads, max_context, num,
     den, splits,
@@ -679,7 +689,7 @@ def _split_threshold(hist_ptr, scratch_ptr, row, head, num_heads, b, stride_xr, 
     return threshold, need, scratch_ptr + row * stride_xr + head * stride_xh
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_context"])
 def _split_count_kernel(
     scratch_ptr, positions_ptr, lse_ptr, hist_ptr, counts_ptr, stride_xr, stride_xh, stride_ln, num_heads,
     max_context, num, den, splits,
@@ -704,7 +714,7 @@ def _split_count_kernel(
         tl.store(counts_ptr + at + 1, ties)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_context"])
 def _split_write_kernel(
     scratch_ptr, positions_ptr, slots_ptr, lse_ptr, hist_ptr, counts_ptr, keys_ptr, stride_xr, stride_xh,
     stride_ln, num_heads, capacity, max_context, num, den, splits,
@@ -728,7 +738,7 @@ def _split_write_kernel(
         _write_kept_range(x_row, keys_row, lo, hi, lse, threshold, need, b, first, ties_before, BLOCK_S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_context"])
 def _split_gather_kernel(
     scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, lse_ptr, part_ptr, keys_ptr,
     stride_xr, stride_xh, stride_vs, stride_vh, stride_ln, num_heads, capacity, max_context, num, den, splits,
@@ -755,7 +765,7 @@ def _split_gather_kernel(
         tl.store(part + 1 + d, c_ref, mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_context"])
 def _split_finish_kernel(
     positions_ptr, slots_ptr, dense_ptr, part_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr, stride_dn, stride_dh,
     num_heads, max_context, num, den, splits,
@@ -966,7 +976,7 @@ def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return
     if scratch is None:
         rows = min(n, scratch_rows(num_heads, max_context, SCRATCH_BYTES))
-        scratch = torch.empty(rows, num_heads, max_context, dtype=torch.float32, device=q.device)
+        scratch = torch.empty(rows, num_heads, scratch_keys(max_context), dtype=torch.float32, device=q.device)
     assert (scratch.dtype == torch.float32 and scratch.dim() == 3 and scratch.shape[1] == num_heads
             and scratch.shape[2] >= max_context and scratch.stride(2) == 1), "scratch: fp32 [rows, Hq, >= max_context]"
     chunk = scratch.shape[0]

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from specloop.kernels.sparse_decode import (
-    SCRATCH_BYTES, SlotState, decode_correction, decode_select, decode_source, key_budget, scratch_rows,
+    SCRATCH_BYTES, SlotState, decode_correction, decode_select, decode_source, key_budget, scratch_keys, scratch_rows,
 )
 
 
@@ -105,7 +105,8 @@ class DecodeReferences:
         self.fallbacks = torch.zeros((), dtype=torch.long, device=device)  # correction rows run dense (state missing)
         # Its host copy, refreshed behind each call's work (`publish`): stats never wait on the device.
         self.fallbacks_host = torch.zeros((), dtype=torch.long, pin_memory=device.type == "cuda")
-        self.scratch = torch.empty(self.scratch_rows(num_heads, max_context, max_rows) * num_heads * max_context,
+        self.scratch = torch.empty(self.scratch_rows(num_heads, max_context, max_rows) * num_heads
+                                   * scratch_keys(max_context),
                                    dtype=torch.float32, device=device)
         self.nbytes_held = sum(t.numel() * t.element_size() for t in (
             self.keys, self.count, self.mass, self.o_ref, self.c_ref, self.present, self.scratch))
@@ -123,7 +124,7 @@ class DecodeReferences:
         budget leaves room for)."""
         acc = torch.promote_types(dtype, torch.float32).itemsize
         per_head = key_budget(max_context, key_retention) * 4 + acc * (1 + 2 * head_dim)
-        scratch = cls.scratch_rows(num_heads, max_context, max_rows) * num_heads * max_context * 4
+        scratch = cls.scratch_rows(num_heads, max_context, max_rows) * num_heads * scratch_keys(max_context) * 4
         return num_slots * (num_layers * num_heads * per_head + num_layers + 4) + num_layers + scratch
 
     def layer(self, layer: int) -> SlotState:
@@ -216,13 +217,14 @@ class DecodeReferences:
         return view if view is not None and 0 < sources <= view.shape[0] else None
 
     def _scratch(self, context: int) -> torch.Tensor | None:
-        """The scratch as [rows, Hq, context]: as many rows as fit at this context (None
-        without one)."""
+        """The scratch as [rows, Hq, scratch_keys(context)]: as many rows as fit at this
+        context (None without one); rows of whole 16-key blocks keep its strides multiples
+        of 16 at every context, so no kernel compiles a variant for a new one."""
         if self.scratch.numel() == 0:
             return None
-        heads = self.keys.shape[2]
-        rows = self.scratch.numel() // (heads * context)
-        return self.scratch[: rows * heads * context].view(rows, heads, context)
+        heads, keys = self.keys.shape[2], scratch_keys(context)
+        rows = self.scratch.numel() // (heads * keys)
+        return self.scratch[: rows * heads * keys].view(rows, heads, keys)
 
     def _correct(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
                  token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
