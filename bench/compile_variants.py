@@ -71,7 +71,6 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=256)
     p.add_argument("--prompts", default="1000,1900")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs (on the CPU the engine runs eager anyway)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     engine = EngineCore(EngineConfig.from_kwargs(

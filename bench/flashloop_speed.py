@@ -26,9 +26,9 @@ requests running at once and preemptions (a pool that cannot hold R x L tokens a
 them as others finish), the peak CUDA memory over the case and the engine's resident
 memory, and with speculation the mean accepted tokens per round. Before 2026-12-03 the
 decode throughput counted every generated token over the decode phase's time, tokens
-decoded while later prompts still ran included: with several requests that overstated it. With a random checkpoint the draft
-rarely agrees with the verifier, so speculation's speed here is its cost at near-zero
-acceptance, not its gain.
+decoded while later prompts still ran included: with several requests that overstated it.
+With a random checkpoint the draft rarely agrees with the verifier, so speculation's speed
+here is its cost at near-zero acceptance, not its gain.
 """
 
 from __future__ import annotations
