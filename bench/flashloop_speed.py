@@ -24,7 +24,10 @@ requests, those still decoding then), the mean time per output token of each req
 output tokens over the case's wall time, the time to the last first token, the most
 requests running at once and preemptions (a pool that cannot hold R x L tokens admits
 them as others finish), the peak CUDA memory over the case and the engine's resident
-memory, and with speculation the mean accepted tokens per round. Before 2026-12-03 the
+memory, and with speculation the mean accepted tokens per round. --case-seconds T aborts
+a case's unfinished requests after T seconds and reports it as cut (the first tokens and
+finished requests by then, time per output token, output tokens over the time), for cases
+longer than one device call. Before 2026-12-03 the
 decode throughput counted every generated token over the decode phase's time, tokens
 decoded while later prompts still ran included: with several requests that overstated it.
 With a random checkpoint the draft rarely agrees with the verifier, so speculation's speed
@@ -80,7 +83,8 @@ def case(args: argparse.Namespace, engine: EngineCore, count: int, length: int, 
         torch.cuda.reset_peak_memory_stats()
     m = engine.metrics
     before = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
-    r = run(engine, {f"d{i}": _prompt(length, vocab, 200 + i) for i in range(count)}, args.decode_tokens, cuda)
+    r = run(engine, {f"d{i}": _prompt(length, vocab, 200 + i) for i in range(count)}, args.decode_tokens, cuda,
+            stop_after=args.case_seconds)
     out = {"requests": count, "prompt": length, "decode_tokens": args.decode_tokens, **decode_phase(r),
            "most_running": r["most_running"], "preemptions": r["preemptions"],
            "peak_over_resident_gib": ((torch.cuda.max_memory_allocated() if cuda else 0) - resident) / 2**30,
@@ -116,6 +120,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--eager", action="store_true", help="every engine without CUDA graphs")
+    p.add_argument("--case-seconds", type=float, default=None,
+                   help="abort a case's unfinished requests after this long and report it as cut: the requests "
+                        "that reached their first token and finished, output tokens over the time")
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     cuda = args.device == "cuda"
@@ -140,10 +147,14 @@ def main() -> None:
             for count, length in args.cases:
                 c = case(args, engine, count, length, cuda)
                 res["cases"].append(c)
-                log(f"  {count} x {length}: {c['decode_tok_s']:.1f} tok/s, {c['tpot_ms']:.1f} ms a token, "
-                    f"{c['output_tok_s']:.1f} output tok/s, last first token at {c['ttft_last_s']:.1f} s "
-                    f"({c['decode_batch']:.1f} decoding after it), "
-                    f"{c['most_running']} running at most, {c['preemptions']} preemptions, peak +"
+                if c["cut_s"] is not None:
+                    head = (f"CUT at {c['cut_s']:.0f} s: {c['first_tokens']} first tokens, {c['finished']} "
+                            f"finished")
+                else:
+                    head = (f"{c['decode_tok_s']:.1f} tok/s, last first token at {c['ttft_last_s']:.1f} s "
+                            f"({c['decode_batch']:.1f} decoding after it)")
+                log(f"  {count} x {length}: {head}, {c['tpot_ms']:.1f} ms a token, {c['output_tok_s']:.1f} output "
+                    f"tok/s, {c['most_running']} running at most, {c['preemptions']} preemptions, peak +"
                     f"{c['peak_over_resident_gib']:.2f} GiB")
                 Path(args.out).write_text(json.dumps(record, indent=1, default=str))  # a cut-short run keeps it
             del engine

@@ -17,7 +17,8 @@
 # cells (greedy, fp32 and bf16) and bench/sparse_decode_kernels.py; PART=sparse-tune the matrix's bf16 graph cells and
 # the sparse decode kernels cold (--layers 8) with variants (SPLITS, CORRECTIONS); PART=flashloop-speed bench/flashloop_speed.py (SPEC,
 # VARIANTS, CASES, WARMUP: warm-up prompt tokens, e.g. the case length to keep compilation out of the TTFT;
-# DECODE: tokens each request decodes; TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention. Unset: tests,
+# DECODE: tokens each request decodes; CUT: seconds after which a case is aborted and reported as cut;
+# TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention. Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -101,6 +102,7 @@ if [ "$PART" = flashloop-speed ]; then  # bench/flashloop_speed.py: SPEC (none,b
   TAIL=60 step ${LIMIT:-560} python bench/flashloop_speed.py --model /tmp/ouro14 --speculation "${SPEC:-none}" \
     --variants "${VARIANTS:-dense,prefill,sparse-decode,int4,all}" --cases "${CASES:-1x8192,1x32768,32x8192}" \
     --max-model-len 33024 ${WARMUP:+--warmup-tokens "$WARMUP"} ${DECODE:+--decode-tokens "$DECODE"} \
+    ${CUT:+--case-seconds "$CUT"} \
     --out "$OUT/flashloop_speed_${SPEC:-none}${TAG:+_$TAG}_h200.json"
   exit 0
 fi

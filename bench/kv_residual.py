@@ -76,28 +76,37 @@ def engine_for(args: argparse.Namespace, model: Any, tokenizer: Any, options: di
 
 
 def run(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int, cuda: bool,
-        sample: str | None = None) -> dict[str, Any]:
-    """Run the prompts to the end; per-request first-token and end times, each step's end
-    time, tokens emitted and requests emitting them (`steps`), the most running at once, and (sample)
-    the request's held bytes at each step it ran."""
+        sample: str | None = None, stop_after: float | None = None) -> dict[str, Any]:
+    """Run the prompts to the end; per-request first-token, last-token and end times, each
+    step's end time, tokens emitted and requests emitting them (`steps`), the most running at
+    once, and (sample) the request's held bytes at each step it ran. With stop_after, the
+    requests still unfinished after that many seconds are aborted and `cut_s` says when: a
+    case too long for one device call still reports what it did (`decode_phase`)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     _sync(cuda)
     start = time.perf_counter()
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
     done: dict[str, float] = {}
+    cut = None
     tokens = {rid: 0 for rid in prompts}
     steps: list[tuple[float, int, int]] = []
     most, held = 0, []
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter() - start  # one time a step: its outputs came out together
+        if stop_after is not None and now > stop_after and cut is None:
+            cut = now
+            outputs = outputs + [o for rid in list(engine.requests) if (o := engine.abort(rid)) is not None]
         for o in outputs:
             assert o.error is None, o.error
-            first.setdefault(o.request_id, now)
+            if o.token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
             tokens[o.request_id] += len(o.token_ids)
-            if o.finished:
+            if o.finished and o.finish_reason != "abort":
                 done[o.request_id] = now
         steps.append((now, sum(len(o.token_ids) for o in outputs), sum(1 for o in outputs if o.token_ids)))
         most = max(most, len(engine.scheduler.running))
@@ -106,24 +115,34 @@ def run(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int, cuda
             if sample in stats.kv_bytes_per_request:
                 held.append((tokens[sample], stats.kv_bytes_per_request[sample], stats.kv_record_bytes_used))
     _sync(cuda)
-    return {"first": first, "done": done, "tokens": tokens, "steps": steps, "most_running": most, "held": held,
-            "wall_s": time.perf_counter() - start, "preemptions": engine.scheduler.num_preemptions}
+    return {"first": first, "last": last, "done": done, "tokens": tokens, "steps": steps, "most_running": most,
+            "held": held, "wall_s": time.perf_counter() - start, "cut_s": cut,
+            "preemptions": engine.scheduler.num_preemptions}
 
 
-def decode_phase(r: dict[str, Any]) -> dict[str, float]:
+def decode_phase(r: dict[str, Any]) -> dict[str, Any]:
     """Decode speed from a `run`: the tokens emitted after the last first token over the time
-    from it to the end, and the mean requests emitting in those steps (every request is past
-    its prompt then, so no prefill shares them; tokens that earlier requests decoded while
-    later prompts ran are not counted), the mean time per output token
-    over requests (their own first to last token, prefill steps of others included), and
-    all output tokens over the whole run."""
+    from it to the end, and the mean requests emitting in the steps that emitted any (every
+    request is past its prompt then, so no prefill shares them; tokens that earlier requests
+    decoded while later prompts ran are not counted; a speculative round's draft steps emit
+    nothing and are left out of the mean), the mean time per output token over requests
+    (their own first to last token, prefill steps of others included), and all output tokens
+    over the whole run. A cut run (`cut_s`) has no decode phase of its own: it reports the
+    requests that reached their first token and finished by then instead."""
+    tpot = [(r["last"][k] - r["first"][k]) / (n - 1) for k, n in r["tokens"].items() if n > 1]
+    out: dict[str, Any] = {"tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
+                           "output_tok_s": sum(r["tokens"].values()) / r["wall_s"],
+                           "first_tokens": len(r["first"]), "finished": len(r["done"]), "cut_s": r["cut_s"]}
+    if r["cut_s"] is not None or not r["first"]:
+        nan = float("nan")
+        return {"decode_tok_s": nan, "decode_s": nan, "decode_batch": nan,
+                "ttft_last_s": max(r["first"].values(), default=nan), **out}
     t0, t1 = max(r["first"].values()), max(r["done"].values())
     after = [(n, rows) for t, n, rows in r["steps"] if t > t0]
-    tpot = [(r["done"][k] - r["first"][k]) / (n - 1) for k, n in r["tokens"].items() if n > 1]
+    emitting = [rows for _, rows in after if rows]
     return {"decode_tok_s": sum(n for n, _ in after) / (t1 - t0) if t1 > t0 else float("nan"),
-            "decode_s": t1 - t0, "decode_batch": sum(b for _, b in after) / len(after) if after else 0.0,
-            "ttft_last_s": t0, "tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
-            "output_tok_s": sum(r["tokens"].values()) / r["wall_s"]}
+            "decode_s": t1 - t0, "decode_batch": sum(emitting) / len(emitting) if emitting else 0.0,
+            "ttft_last_s": t0, **out}
 
 
 def memory_part(args, model, tokenizer, options, cuda, out: list[dict[str, Any]]) -> list[dict[str, Any]]:
