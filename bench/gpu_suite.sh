@@ -18,7 +18,8 @@
 # the sparse decode kernels cold (--layers 8) with variants (SPLITS, CORRECTIONS); PART=flashloop-speed bench/flashloop_speed.py (SPEC,
 # VARIANTS, CASES, WARMUP: warm-up prompt tokens, e.g. the case length to keep compilation out of the TTFT;
 # DECODE: tokens each request decodes; CUT: seconds after which a case is aborted and reported as cut;
-# TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention. Unset: tests,
+# TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention (PROFILE:
+# the variants, e.g. "dense sparse int4 all"; BATCHES, e.g. 1,16). Unset: tests,
 # preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -90,9 +91,11 @@ if [ "$PART" = sparse-tune ]; then  # the matrix's bf16 graph cells; the sparse 
 fi
 if [ "$PART" = sparse-profile ]; then  # where a decode step's time goes, dense and with sparse decode attention, 8K
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
-  for v in dense sparse; do
-    sda=(); [ "$v" = sparse ] && sda=(--sparse-decode-attention '{}')
-    TAIL=50 step 250 python bench/profile_decode.py --model /tmp/ouro14 --prompt 8192 --batches 1,16 --steps 20 \
+  for v in ${PROFILE:-dense sparse}; do  # dense, sparse, int4, all (the three FlashLoop updates)
+    sda=(); [ "$v" = sparse ] || [ "$v" = all ] && sda=(--sparse-decode-attention '{}')
+    [ "$v" = int4 ] || [ "$v" = all ] && sda+=(--kv-residual-quantization '{}')
+    [ "$v" = all ] && sda+=(--token-sparse-prefill '{}')
+    TAIL=50 step 250 python bench/profile_decode.py --model /tmp/ouro14 --prompt 8192 --batches "${BATCHES:-1,16}" --steps 20 \
       --max-model-len 33024 --top 20 "${sda[@]}" --out "$OUT/profile_decode_${v}_8k_h200.json"
   done
   exit 0

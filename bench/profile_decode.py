@@ -5,7 +5,8 @@
 
 Batch-1 (and batch-32: --batches) greedy decode after a --prompt-token prompt (1K), random
 ouro-1.4b bf16, defaults (triton backend, CUDA graphs unless --enforce-eager), optionally
-with sparse decode attention (--sparse-decode-attention '{}'). Over a window of decode
+with FlashLoop's updates (--sparse-decode-attention '{}', --kv-residual-quantization '{}',
+--token-sparse-prefill '{}'; all three: where their decode steps' time goes). Over a window of decode
 steps it records:
 - host time per step, split into planning (Scheduler.schedule), building the forward
   batch, enqueueing the call (Runner.execute minus the build), waiting for the result
@@ -34,6 +35,9 @@ from specloop.engine.config import EngineConfig  # noqa: E402
 from specloop.engine.core import EngineCore  # noqa: E402
 from specloop.engine.executor import Ticket  # noqa: E402
 from specloop.sampling_params import SamplingParams  # noqa: E402
+
+
+FEATURES = ("sparse_decode_attention", "kv_residual_quantization", "token_sparse_prefill")
 
 
 def _timed(obj, name: str, bucket: str, acc: dict[str, float]) -> None:
@@ -114,11 +118,11 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens of each request")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--sparse-decode-attention", default=None, help="JSON, e.g. '{}' (default: off)")
+    for feature in FEATURES:
+        p.add_argument("--" + feature.replace("_", "-"), default=None, help="JSON, e.g. '{}' (default: off)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     args = p.parse_args()
-    extra = {"sparse_decode_attention": json.loads(args.sparse_decode_attention)} \
-        if args.sparse_decode_attention is not None else {}
+    extra = {f: json.loads(getattr(args, f)) for f in FEATURES if getattr(args, f) is not None}
     if args.max_model_len is not None:
         extra["max_model_len"] = args.max_model_len
     engine = EngineCore(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_num_seqs=64,

@@ -34,6 +34,9 @@ MAX_TOKENS = 8
 _g = torch.Generator().manual_seed(3)
 PROMPTS = [torch.randint(3, 200, (n,), generator=_g).tolist() for n in (33, 5, 17, 41)]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)
+# The interpreter runs the Triton kernels one program at a time (about 1.5 s a source pass):
+# its tests decode 6 tokens, still two rounds of block-d2 past the prompt's token.
+INTERPRETED = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
 SPARSE_PREFILL = {"window": 8, "retention": [1.0, 1.0, 0.5, 0.25]}
 
 
@@ -59,13 +62,13 @@ def _features(sparse_decode: bool = True, sparse_prefill: bool = False, kv_tail:
 
 
 def _check(ckpt, got, prompts=PROMPTS, greedy: bool = True, sparse_prefill: bool = False,
-           exit_threshold: float | None = None, kv_tail: int | None = None) -> None:
+           exit_threshold: float | None = None, kv_tail: int | None = None, max_tokens: int = MAX_TOKENS) -> None:
     """Every emitted token's logprob equals the reference's; greedy tokens are its argmax;
     somewhere the outputs differ from dense decoding's (with the same other features)."""
     differs = False
     for i, prompt in enumerate(prompts):
         tokens, logprobs = got[f"r{i}"]
-        assert len(tokens) == MAX_TOKENS
+        assert len(tokens) == max_tokens
         want = reference_logprobs(ckpt, prompt, tokens, _features(True, sparse_prefill, kv_tail), exit_threshold)
         picked = want[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), picked, atol=1e-5, rtol=1e-5)
@@ -202,8 +205,9 @@ def test_triton_kernels_under_the_interpreter(tiny_ckpt, mode, monkeypatch):
     tail = 5 if mode.endswith("int4") else None
     extra = {"kv_residual_quantization": {"tail": tail}} if tail else {}
     prompts = KV_PROMPTS[1:2] if tail else PROMPTS[:2]
-    got = _run(_engine(tiny_ckpt, attention_backend="triton", **extra, **MODES[mode.removesuffix("-int4")]), prompts)
-    _check(tiny_ckpt, got, prompts, kv_tail=tail)
+    got = _run(_engine(tiny_ckpt, attention_backend="triton", **extra, **MODES[mode.removesuffix("-int4")]), prompts,
+               INTERPRETED)
+    _check(tiny_ckpt, got, prompts, kv_tail=tail, max_tokens=INTERPRETED.max_tokens)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter needs TRITON_INTERPRET before triton "
@@ -220,7 +224,7 @@ def test_triton_fallback_runs_missing_rows_dense(tiny_ckpt, monkeypatch):
         self.present[:] = False  # (a source marks every layer present at its last one)
     monkeypatch.setattr(DecodeReferences, "_source", forget)
     engine = _engine(tiny_ckpt, attention_backend="triton")
-    got = run_all(engine, PROMPTS[:2], GREEDY)
+    got = run_all(engine, PROMPTS[:2], INTERPRETED)
     assert int(engine.executor.runner.slots.references.fallbacks) > 0
     for i, prompt in enumerate(PROMPTS[:2]):
         tokens, logprobs = got[f"r{i}"]
