@@ -7,7 +7,8 @@ CPU smoke run:
     python -m specloop.cli random-checkpoint /tmp/tiny --preset tiny
     python bench/kv_residual.py --model /tmp/tiny --device cpu --out /tmp/kv_residual_cpu.json \\
         --lengths 300 --decode-tokens 8 --concurrent 4 --concurrent-prompt 100 --capacity-requests 3 \\
-        --capacity-bytes 4000000 --parts memory,decode
+        --capacity-bytes 4000000 --capacity-prompt 200 --capacity-decode 8 --memory-bytes 40000000 \\
+        --decode-bytes 40000000 --parts memory,decode,capacity
 
 Variants: `bf16` (the format off) and `int4` (kv_residual_quantization with --tail), and with
 --sparse also `int4+sparse` (token-sparse prefill at its defaults on top). Every engine
