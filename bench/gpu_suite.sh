@@ -108,7 +108,7 @@ if [ "$PART" = flashloop-speed ]; then  # bench/flashloop_speed.py: SPEC (none,b
     --variants "${VARIANTS:-dense,prefill,sparse-decode,int4,all}" --cases "${CASES:-1x8192,1x32768,32x8192}" \
     --max-model-len 33024 ${WARMUP:+--warmup-tokens "$WARMUP"} ${DECODE:+--decode-tokens "$DECODE"} \
     ${CUT:+--case-seconds "$CUT"} \
-    --out "$OUT/flashloop_speed_${SPEC:-none}${TAG:+_$TAG}_h200.json"
+    --out "$OUT/flashloop_speed_$(echo "${SPEC:-none}" | tr , -)${TAG:+_$TAG}_h200.json"
   exit 0
 fi
 if [ "$PART" = residual-capacity ]; then
