@@ -36,10 +36,12 @@ import pytest
 import torch
 
 from specloop.kernels.sparse_decode import (
-    Blocks, SlotState, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
+    Blocks, PackedRows, SlotState, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
     decode_select, decode_source, key_budget, key_budgets, scratch_keys, scratch_rows, source_reference, source_triton,
 )
+from specloop.kernels.packed_attention import read_keys
 from specloop.kernels.paged_attention import block_g, paged_attention
+from tests.test_kernels_packed_attention import _case as _packed_case
 from specloop.model.flashloop_reference import (
     _causal_probs, _per_head, corrected_attention, decode_budget, decode_reference,
 )
@@ -359,6 +361,59 @@ def test_dense_rows_get_dense_attention_and_read_no_state(blocks):
             _close(got[i], dense3, OUT_TOL[torch.float32])
         elif pos >= 0:
             assert not torch.equal(got[i], torch.zeros_like(got[i]))
+
+
+@pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks()), (torch.float32, SMALL),
+                                           (torch.bfloat16, SMALL)])
+def test_correction_reads_packed_planes_as_the_rows_read_them(dtype, blocks):
+    """With INT4 residual planes (`PackedRows`) the correction reads each kept key as its
+    row reads it, exact from the tail or reconstructed from the packed records, straight
+    from the planes: the same output as the reference over a paged copy of the rows' keys
+    (`read_keys_reference`), for kept rows and dense rows (a missing state), one split or
+    several. Under the interpreter it equals, bit for bit, the plain kernel over the copy
+    the Triton reader makes (`read_keys`); on the GPU the packed launch rounds the
+    reconstruction without FMA, so the two agree to the tolerance."""
+    rows = [(0, 3, 149), (0, 2, 120), (1, 2, 99), (2, 3, 79), (1, 3, 40), (0, 1, 63)]
+    case = _packed_case(7, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, 16, dtype)
+    n, heads, dim = case.q.shape
+    gen = torch.Generator().manual_seed(8)
+    capacity = key_budget(MAX_CONTEXT, 0.3)
+    state = SlotState.zeros(n + 2, heads, dim, capacity, device=DEVICE)
+    slots = torch.randperm(n + 2, generator=gen)[:n].to(DEVICE)
+    for i, (_, _, pos) in enumerate(rows):
+        b = key_budget(pos + 1, 0.3)
+        slot = int(slots[i])
+        state.count[slot] = b
+        for h in range(heads):
+            state.keys[slot, h, :b] = torch.randperm(pos + 1, generator=gen)[:b].sort().values.to(torch.int32)
+        state.mass[slot] = torch.rand(heads, generator=gen)
+        state.o_ref[slot] = torch.randn(heads, dim, generator=gen)
+        state.c_ref[slot] = torch.randn(heads, dim, generator=gen)
+    dense_rows = torch.tensor([i % 3 == 1 for i in range(n)], device=DEVICE)
+    packed = PackedRows(case.packed, case.cell, case.depth)
+    args = (case.q, case.k_tail, case.v_tail, case.tables, case.position, case.table_offset, case.page_size)
+    want = torch.zeros_like(case.q)
+    decode_correction(*args, slots=slots, state=state, out=want, use_triton=False, dense_rows=dense_rows,
+                      packed=packed)
+    got = torch.zeros_like(case.q)
+    correction_triton(*args, slots=slots, state=state, out=got, blocks=blocks, dense_rows=dense_rows, packed=packed)
+    assert not got.isnan().any()
+    _close(got, want, OUT_TOL[dtype])
+    assert all(not torch.equal(got[i], torch.zeros_like(got[i])) for i in range(n))
+    # the plain kernel over the Triton reader's copy of the keys
+    keys = -(-(max(p for _, _, p in rows) + 1) // case.page_size) * case.page_size
+    k, v = read_keys(case.k_tail, case.v_tail, case.tables, case.page_size, case.packed, case.cell, case.depth,
+                     case.position, case.table_offset, keys, use_triton=True)
+    per_row = keys // case.page_size
+    copy = torch.zeros_like(case.q)
+    correction_triton(case.q, k.reshape(n * keys, *k.shape[2:]), v.reshape(n * keys, *v.shape[2:]),
+                      torch.arange(n * per_row, device=DEVICE), case.position,
+                      torch.arange(n, device=DEVICE) * per_row, case.page_size, slots=slots, state=state, out=copy,
+                      blocks=blocks, dense_rows=dense_rows)
+    if DEVICE == "cpu":
+        assert torch.equal(got, copy)
+    else:
+        _close(got, copy, OUT_TOL[dtype])
 
 
 def test_the_split_select_breaks_ties_across_splits():

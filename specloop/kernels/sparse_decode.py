@@ -133,8 +133,16 @@ order. `select_splits` picks the split count for two waves of the GPU from stati
 blocks the split select ran 1.9x faster at 1 x 8K (8 splits) and 4.6x at 1 x 32K (17),
 and batch 32 keeps one program (bench/results/sparse_decode_kernels_h200.json).
 
-Not done: packed INT4 tiles (the runtime gathers reconstructed keys into a paged scratch
-for these kernels, `runtime.sparse_decode.gathered_reader`); the one-program select has Hq
+INT4 residual planes. The correction takes `packed=PackedRows(...)`: its caches and tables
+are then the planes' BF16 tails, and each kept key is read as the row reads it by the
+packed reader's own gather (`packed_attention._key_block`, key by key, so on the kept
+positions alone), launched without FMA contraction like that reader so the reconstruction
+rounds the same way. The reference reads the rows' keys into a paged copy
+(`read_keys_reference`) and corrects from it.
+
+Not done: the scores and select kernels over INT4 planes (the runtime gathers the source
+rows' reconstructed keys into a paged scratch for them,
+`runtime.sparse_decode.gathered_reader`); the one-program select has Hq
 programs per row, so at batch 1 it runs on 16 of 132 SMs, its passes bound by latency
 (lse could come from the scores kernel, one pass fewer, and the V gather is not
 software-pipelined); block sizes and warps are barely measured on the H200 (`Blocks`;
@@ -152,6 +160,7 @@ import triton
 import triton.language as tl
 
 from specloop.kernels import DTYPES
+from specloop.kernels.packed_attention import PackedKV, _key_block, read_keys_reference
 from specloop.kernels.paged_attention import choose_splits
 from specloop.kernels.rounding import round_to
 
@@ -183,6 +192,36 @@ class SlotState:
         return cls(new(num_slots, num_heads, capacity, dtype=torch.int32), new(num_slots, dtype=torch.int32),
                    new(num_slots, num_heads), new(num_slots, num_heads, head_dim),
                    new(num_slots, num_heads, head_dim))
+
+
+@dataclasses.dataclass
+class PackedRows:
+    """A correction's keys on INT4 residual planes: the layer's packed planes and each
+    row's cell and depth [N] (int). With it the caches and page tables `decode_correction`
+    takes are the planes' BF16 tails and their tables, and each kept key is read as the row
+    reads it: reconstructed from the packed records where the row's position has passed the
+    key's seal, exact from the tail otherwise (`specloop.kernels.packed_attention`)."""
+
+    packed: PackedKV
+    cells: torch.Tensor
+    depths: torch.Tensor
+
+    def check(self, n: int) -> None:
+        for t in (self.cells, self.depths):
+            assert t.shape == (n,) and t.is_contiguous() and not t.is_floating_point(), "cells, depths: [N] ints"
+
+    def gather(self, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+               table_offsets: torch.Tensor, page_size: int) -> tuple:
+        """The rows' keys 0..pos as they read them, in a paged copy of their own (the
+        reference's way in: `read_keys_reference`): K, V, tables, offsets, page size."""
+        n = positions.shape[0]
+        keys = -(-max(int(positions.max()) + 1 if n else 1, 1) // page_size) * page_size
+        k, v = read_keys_reference(k_tail, v_tail, tables, page_size, self.packed, self.cells, self.depths,
+                                   positions, table_offsets, keys)
+        per_row = keys // page_size
+        dev = k_tail.device
+        return (k.reshape(n * keys, *k.shape[2:]), v.reshape(n * keys, *v.shape[2:]),
+                torch.arange(n * per_row, device=dev), torch.arange(n, device=dev) * per_row, page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -808,6 +847,31 @@ def _kept_block(start, keys_row, count, g_ok, table, kv_head, tables_ptr, cache_
 
 
 @triton.jit
+def _kept_packed_block(
+    start, keys_row, count, g_ok, full, pos, cell, depth, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr,
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+    row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    """`_kept_block` for K and V at once over INT4 residual planes: each head's kept keys
+    (ok [G, BLOCK_N]) read as the row at `pos` reads them, fp32 [G, BLOCK_N, BLOCK_D] each.
+    The heads' positions are gathered as one vector of G x BLOCK_N keys (`_key_block` works
+    key by key, so the positions need not be contiguous)."""
+    i = start + tl.arange(0, BLOCK_N)
+    ok = g_ok[:, None] & (i[None, :] < count)
+    kept = (i[None, :] * 0 + full.to(tl.int32)) == 0  # (a tensor: the interpreter cannot mask by a scalar)
+    j = tl.load(keys_row[:, None] + i[None, :], mask=ok & kept, other=0)
+    j = tl.where(full, i[None, :], j)
+    k, v = _key_block(
+        tl.reshape(j, [BLOCK_G * BLOCK_N]), tl.reshape(ok, [BLOCK_G * BLOCK_N]), cell, depth, pos, table, kv_head,
+        k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+        seal_ptr, group_tables_ptr, row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads,
+        max_groups, max_len, PAGE_SIZE, HEAD_DIM, BLOCK_G * BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+    return ok, tl.reshape(k, [BLOCK_G, BLOCK_N, BLOCK_D]), tl.reshape(v, [BLOCK_G, BLOCK_N, BLOCK_D])
+
+
+@triton.jit
 def _correction_row(row, pos, slots_ptr, count_ptr, dense_rows_ptr, HAS_DENSE_ROWS: tl.constexpr):
     """A correction row's slot, whether it runs dense (its state missing) and its key count
     (the slot's b, or pos + 1 for a dense row)."""
@@ -824,15 +888,19 @@ def _correction_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, keys_ptr, count_ptr, mass_ptr,
     o_ref_ptr, c_ref_ptr, out_ptr, part_ptr, stats_ptr, dense_rows_ptr, stride_qn, stride_qh, stride_ks, stride_kh,
     stride_vs, stride_vh, stride_on, stride_oh, num_heads, capacity, splits, scale,
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+    row_maps_ptr, cell_ptr, depth_ptr, max_groups, max_len,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_DENSE_ROWS: tl.constexpr,
+    HAS_DENSE_ROWS: tl.constexpr, PACKED: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
 ):
     """Per (row, KV head, split): an online softmax of q_r . K_r over the split's share of
     each head's kept keys. DIRECT (one split): corrected by the slot's state into out (in
     place); otherwise the split's running max, sum and unnormalised sum of p V go to the
     partials for `_combine_kernel`. A dense row (`dense_rows`: its state is missing) runs
-    over its keys 0..pos and reads nothing of the state."""
+    over its keys 0..pos and reads nothing of the state. PACKED: k / v are INT4 residual
+    planes' BF16 tails and each kept key is read as the row reads it, exact from the tail or
+    reconstructed from the packed records (the packed reader's gather, `_key_block`)."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -854,11 +922,24 @@ def _correction_kernel(
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            cell = row * 0
+            depth = kv_head * 0
+            if PACKED:
+                cell = tl.load(cell_ptr + row).to(tl.int64)
+                depth = tl.load(depth_ptr + row).to(tl.int32)
             for start in range(lo, hi, BLOCK_N):
-                ok, k = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, k_ptr, stride_ks,
-                                    stride_kh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
-                _ok, v = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
-                                   stride_vh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+                if PACKED:
+                    ok, k, v = _kept_packed_block(
+                        start, keys_row, hi, g_ok, full, pos.to(tl.int32), cell, depth, table, kv_head, k_ptr,
+                        v_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                        seal_ptr, group_tables_ptr, row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
+                        num_heads // GROUP, max_groups, max_len, PAGE_SIZE, HEAD_DIM, BLOCK_G, BLOCK_N, BLOCK_D,
+                        PLANES, V_GROUPS, BF16_BY_HAND)
+                else:
+                    ok, k = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, k_ptr, stride_ks,
+                                        stride_kh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+                    _ok, v = _kept_block(start, keys_row, hi, g_ok, table, kv_head, tables_ptr, v_ptr, stride_vs,
+                                         stride_vh, full, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
                 s = tl.sum(q[:, None, :] * k, axis=2) * scale  # [G, BLOCK_N], fp32 products
                 s = tl.where(ok, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -1102,11 +1183,11 @@ def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch
 def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                       positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
                       slots: torch.Tensor, state: SlotState, out: torch.Tensor, blocks: Blocks = Blocks(),
-                      dense_rows: torch.Tensor | None = None) -> None:
+                      dense_rows: torch.Tensor | None = None, packed: PackedRows | None = None) -> None:
     """Loop >= 3 outputs into `out` in place: programs per (row, KV head, split) over shares
     of the slot's kept keys (a `dense_rows` row: of its keys 0..pos), then (more than one
     split) a combine per (row, query head); no host sync, a fixed launch sequence for fixed
-    shapes."""
+    shapes. `packed`: the caches are INT4 residual planes' tails (`PackedRows`)."""
     _check(q, k_cache, v_cache, tables, positions, table_offsets, slots, state)
     n, num_heads, head_dim = q.shape
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out: [N, Hq, D] in q's dtype"
@@ -1123,12 +1204,22 @@ def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if has_dense:
         assert dense_rows.shape == (n,) and dense_rows.is_contiguous(), "dense_rows: [N]"
         dense_rows = dense_rows.view(torch.uint8) if dense_rows.dtype == torch.bool else dense_rows
+    if packed is not None:
+        packed.check(n)
+        pk = packed.packed
+        planes = (pk.k.codes, pk.k.scale, pk.k.lo, pk.v.codes, pk.v.scale, pk.v.lo, pk.seal, pk.group_tables,
+                  pk.row_maps, packed.cells, packed.depths, pk.group_tables.shape[2], pk.row_maps.shape[2])
+        # the reconstruction rounds lo + scale * code alone, as the packed reader does (no FMA)
+        extra = dict(PACKED=True, PLANES=pk.planes, V_GROUPS=triton.cdiv(head_dim, 64), enable_fp_fusion=False)
+    else:  # the packed arguments are never read
+        planes = (positions,) * 11 + (0, 0)
+        extra = dict(PACKED=False, PLANES=1, V_GROUPS=1)
     _correction_kernel[(n, k_cache.shape[1], splits)](
         q, k_cache, v_cache, tables, positions, table_offsets, slots, state.keys, state.count, state.mass,
         state.o_ref, state.c_ref, out, part, stats, dense_rows if has_dense else positions, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        num_heads, capacity, splits, head_dim ** -0.5, BLOCK_G=triton.next_power_of_2(shape["GROUP"]),
-        BLOCK_N=blocks.correction, BF16_BY_HAND=by_hand, DIRECT=direct, HAS_DENSE_ROWS=has_dense, **shape,
+        num_heads, capacity, splits, head_dim ** -0.5, *planes, BLOCK_G=triton.next_power_of_2(shape["GROUP"]),
+        BLOCK_N=blocks.correction, BF16_BY_HAND=by_hand, DIRECT=direct, HAS_DENSE_ROWS=has_dense, **shape, **extra,
     )
     if not direct:
         _combine_kernel[(n, num_heads)](
@@ -1167,12 +1258,18 @@ def decode_source(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def decode_correction(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                       positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, *,
                       slots: torch.Tensor, state: SlotState, out: torch.Tensor,
-                      use_triton: bool | None = None, dense_rows: torch.Tensor | None = None) -> None:
+                      use_triton: bool | None = None, dense_rows: torch.Tensor | None = None,
+                      packed: PackedRows | None = None) -> None:
     """Loop >= 3 outputs of the rows from their slots' state, into `out` in place (module
     docstring); rows set in `dense_rows` ([N] bool: a missing state) get dense attention
-    over their keys 0..pos at that depth instead."""
-    args = (q, k_cache, v_cache, tables, positions, table_offsets, page_size)
+    over their keys 0..pos at that depth instead. `packed`: the caches and tables are INT4
+    residual planes' tails, and each key is read as the row reads it (`PackedRows`)."""
     if _use_triton(q, use_triton):
-        correction_triton(*args, slots=slots, state=state, out=out, dense_rows=dense_rows)
-    else:
-        correction_reference(*args, slots=slots, state=state, out=out, dense_rows=dense_rows)
+        correction_triton(q, k_cache, v_cache, tables, positions, table_offsets, page_size, slots=slots, state=state,
+                          out=out, dense_rows=dense_rows, packed=packed)
+        return
+    if packed is not None:  # the reference reads the rows' keys into a paged copy first
+        k_cache, v_cache, tables, table_offsets, page_size = packed.gather(k_cache, v_cache, tables, positions,
+                                                                           table_offsets, page_size)
+    correction_reference(q, k_cache, v_cache, tables, positions, table_offsets, page_size, slots=slots, state=state,
+                         out=out, dense_rows=dense_rows)

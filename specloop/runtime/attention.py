@@ -31,7 +31,9 @@ from specloop.kernels.paged_attention import block_g, choose_splits, paged_atten
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.kv_residual import PackedResiduals
-from specloop.runtime.sparse_decode import DecodeReferences, KeptScores, SparseRows, gathered_reader, paged_reader
+from specloop.runtime.sparse_decode import (
+    DecodeReferences, KeptScores, SparseRows, gathered_reader, paged_reader, plane_reader,
+)
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -301,6 +303,7 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
         return out
     kv = backend.kv
     k, v = kv.k[layer], kv.v[layer]
+    planes = None
     if backend.residuals is None:
         read = paged_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size, sparse.rows.every)
     else:
@@ -309,9 +312,11 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
         def keys_of(r: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
             return read_keys(k, v, sparse.tables, kv.page_size, packed, sparse.cells[r], sparse.depths[r],
                              sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
-        read = gathered_reader(keys_of, sparse.longest, kv.page_size)
+        read = gathered_reader(keys_of, sparse.longest, kv.page_size)  # the source's (loop 2)
+        planes = plane_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size, packed, sparse.cells,
+                              sparse.depths, sparse.rows.every)  # the corrections read the planes directly
     return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
-                                     use_triton, sparse.longest, sparse.exited, kept)
+                                     use_triton, sparse.longest, sparse.exited, kept, planes)
 
 
 def backend_name(name: str, device: torch.device) -> str:

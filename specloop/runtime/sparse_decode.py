@@ -28,9 +28,12 @@ play which part (`SparseRows.source_ok` / `correction_ok`), padding rows play no
 write nothing, and the scores scratch has a fixed address.
 
 With INT4 residual planes the source and correction read each key as the row reads it
-(exact from the BF16 tail or reconstructed from the packed planes, by the read rule),
-through a per-layer gather of the rows' keys (`gathered_reader`): correct, not fast, and
-eager only (a graph could not hold the gather at the longest context).
+(exact from the BF16 tail or reconstructed from the packed planes, by the read rule). The
+corrections read their kept keys straight from the planes (`plane_reader`: the correction
+kernel runs the packed reader's gather on the kept positions alone). The source still reads
+through a per-layer gather of its rows' keys (`gathered_reader`): correct, not fast, and
+eager only (a graph could not hold the gather at the longest context), so with INT4 these
+passes run eager.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from collections.abc import Callable
 
 import torch
 
+from specloop.kernels.packed_attention import PackedKV
 from specloop.kernels.sparse_decode import (
-    SCRATCH_BYTES, SlotState, decode_correction, decode_select, decode_source, key_budget, scratch_keys, scratch_rows,
+    SCRATCH_BYTES, PackedRows, SlotState, decode_correction, decode_select, decode_source, key_budget, scratch_keys,
+    scratch_rows,
 )
 
 
@@ -166,7 +171,8 @@ class DecodeReferences:
 
     def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, context: int,
-               exited: torch.Tensor | None = None, kept: KeptScores | None = None) -> torch.Tensor:
+               exited: torch.Tensor | None = None, kept: KeptScores | None = None,
+               planes: PlaneReader | None = None) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
         tokens' rows replaced: sources keep their state (their output is the dense one,
         which is O_ref), corrections output the corrected attention where their state is
@@ -175,12 +181,14 @@ class DecodeReferences:
         their outputs are dropped) run neither. One layer; `read` gives the keys a set of
         rows reads (`KeyReader`); `context` (host) bounds every row's position + 1; `kept`,
         when given, holds the source rows' scores and the rows' lse from the dense launch
-        (Triton: the source runs its select kernel alone); no host sync."""
+        (Triton: the source runs its select kernel alone); `planes`, with INT4 residual
+        planes, where the corrections read their kept keys instead of `read` (straight
+        from the planes, no copy); no host sync."""
         if rows.source.numel():
             self._source(layer, rows, q, out, positions, token_slots, read, use_triton, exited,
                          min(max(context, 1), self.max_context), kept)
         if rows.correction.numel():
-            self._correct(layer, rows, q, out, positions, token_slots, read, use_triton, exited)
+            self._correct(layer, rows, q, out, positions, token_slots, read, use_triton, exited, planes)
         return out
 
     def _source(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
@@ -227,7 +235,8 @@ class DecodeReferences:
         return self.scratch[: rows * heads * keys].view(rows, heads, keys)
 
     def _correct(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
+                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None,
+                 planes: PlaneReader | None = None) -> None:
         r = rows.correction
         if layer == 0 or "correction" not in rows.memo:  # the pass's first layer
             slots = rows.pick(token_slots, r)
@@ -238,14 +247,19 @@ class DecodeReferences:
             self.fallbacks += missing.sum()
             rows.memo["correction"] = (slots, torch.where(run, rows.pick(positions, r), -1), missing)
         slots, at, missing = rows.memo["correction"]
-        k_cache, v_cache, tables, offsets, page_size = read(r)
+        if planes is not None:
+            k_cache, v_cache, tables, offsets, page_size, packed = planes(r)
+        else:
+            (k_cache, v_cache, tables, offsets, page_size), packed = read(r), None
         if rows.every:  # corrected in place: rows that run no correction are left as they are
             decode_correction(q.contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
-                              state=self.layer(layer), out=out, use_triton=use_triton, dense_rows=missing)
+                              state=self.layer(layer), out=out, use_triton=use_triton, dense_rows=missing,
+                              packed=packed)
             return
         corrected = out[r]
         decode_correction(q[r].contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
-                          state=self.layer(layer), out=corrected, use_triton=use_triton, dense_rows=missing)
+                          state=self.layer(layer), out=corrected, use_triton=use_triton, dense_rows=missing,
+                          packed=packed)
         out[r] = corrected
 
 
@@ -260,6 +274,23 @@ KeyReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Ten
 """Rows r [n] -> (K, V [S, Hkv, D], page tables, each row's table offset [n], page size):
 where the keys of rows r sit as they read them (the BF16 pool, or a gather of the packed
 planes' reads)."""
+
+
+PlaneReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, PackedRows]]
+"""Rows r [n] -> (the BF16 tails K, V [S, Hkv, D], their page tables, each row's table offset
+[n], page size, the rows' `PackedRows`): where the corrections of rows r read their kept keys
+on INT4 residual planes, each as the row reads it."""
+
+
+def plane_reader(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
+                 page_size: int, packed: PackedKV, cells: torch.Tensor, depths: torch.Tensor,
+                 every: bool = False) -> PlaneReader:
+    """One layer's INT4 residual planes (`every`: the rows asked for are every row)."""
+    def read(r: torch.Tensor):
+        pick = (lambda x: x) if every else (lambda x: x[r].contiguous())  # noqa: E731
+        return (k_tail, v_tail, tables, pick(table_offsets), page_size,
+                PackedRows(packed, pick(cells), pick(depths)))
+    return read
 
 
 def paged_reader(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
