@@ -109,8 +109,8 @@ def test_eager_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
 def test_graph_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
     """CUDA graphs on (the default on CUDA), fp32, the Triton backend: every cell runs
     replayed passes. With sparse decode attention the passes with generated-token rows
-    replay their own graphs, except with INT4 residuals, where they run eager (their keys
-    are gathered per row, `gathered_reader`)."""
+    replay their own graphs, except with INT4 residuals, where they run eager (not yet
+    captured: `LoopGraphs.variants`)."""
     engine = _engine(tiny_ckpt, combo, mode, device="cuda")
     graphs = engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs

@@ -363,8 +363,70 @@ def test_dense_rows_get_dense_attention_and_read_no_state(blocks):
             assert not torch.equal(got[i], torch.zeros_like(got[i]))
 
 
-@pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks()), (torch.float32, SMALL),
-                                           (torch.bfloat16, SMALL)])
+# fp32 and bf16, one split and several; the interpreter (15-30 s a case) runs two of them
+PACKED_CASES = [(torch.float32, Blocks()), (torch.bfloat16, SMALL)] + (
+    [(torch.float32, SMALL)] if torch.cuda.is_available() else [])
+PACKED_ROWS = [(0, 1, 149), (0, 1, 120), (1, 1, 99), (2, 1, 79), (1, 1, 40), (0, 1, 63), (2, 1, 0)]
+
+
+def _read_copy(case, keys: int) -> tuple:
+    """The Triton reader's copy of the packed case's rows' keys 0..`keys`-1, as a paged pool
+    of its own: K, V, tables, offsets."""
+    n = case.q.shape[0]
+    k, v = read_keys(case.k_tail, case.v_tail, case.tables, case.page_size, case.packed, case.cell, case.depth,
+                     case.position, case.table_offset, keys, use_triton=True)
+    per_row = keys // case.page_size
+    return (k.reshape(n * keys, *k.shape[2:]), v.reshape(n * keys, *v.shape[2:]),
+            torch.arange(n * per_row, device=DEVICE), torch.arange(n, device=DEVICE) * per_row)
+
+
+@pytest.mark.parametrize("dtype, blocks", PACKED_CASES)
+def test_source_reads_packed_planes_as_the_rows_read_them(dtype, blocks):
+    """With INT4 residual planes (`PackedRows`) the loop-2 source scores every key 0..pos and
+    sums V over the kept ones as the row reads them, straight from the planes: the reference
+    over a paged copy of the rows' keys gives the same kept keys and counts, mass and C_ref
+    within STATE_TOL, O_ref exactly. Under the interpreter it equals, bit for bit, the plain
+    kernels over the Triton reader's copy (on the GPU within the tolerance: the packed
+    launches round the reconstruction without FMA)."""
+    case = _packed_case(11, [150, 100, 80], ["mixed", "sealed", "open"], PACKED_ROWS, 4, 2, 16, dtype)
+    n, heads, dim = case.q.shape
+    gen = torch.Generator().manual_seed(12)
+    slots = torch.randperm(n + 2, generator=gen)[:n].to(DEVICE)
+    dense = torch.randn(n, heads, dim, generator=gen).to(dtype).to(DEVICE)
+    capacity = key_budget(MAX_CONTEXT, 0.1)
+    packed = PackedRows(case.packed, case.cell, case.depth)
+    args = (case.q, case.k_tail, case.v_tail, case.tables, case.position, case.table_offset, case.page_size, 0.1)
+    states = {}
+    for name in ("reference", "packed"):
+        states[name] = SlotState.zeros(n + 2, heads, dim, capacity, device=DEVICE)
+        if name == "reference":
+            decode_source(*args, dense=dense, slots=slots, state=states[name], max_context=MAX_CONTEXT,
+                          use_triton=False, packed=packed)
+        else:
+            source_triton(*args, dense=dense, slots=slots, state=states[name], max_context=MAX_CONTEXT,
+                          blocks=blocks, packed=packed)
+    got, want = states["packed"], states["reference"]
+    assert torch.equal(got.count, want.count)
+    for i in range(n):
+        slot, b = int(slots[i]), int(want.count[int(slots[i])])
+        assert b == key_budget(PACKED_ROWS[i][2] + 1, 0.1)
+        assert torch.equal(got.keys[slot, :, :b], want.keys[slot, :, :b]), i
+    _close(got.mass, want.mass, STATE_TOL[dtype])
+    _close(got.c_ref, want.c_ref, STATE_TOL[dtype])
+    assert torch.equal(got.o_ref, want.o_ref)
+    keys = -(-(max(p for _, _, p in PACKED_ROWS) + 1) // case.page_size) * case.page_size
+    k, v, tables, offsets = _read_copy(case, keys)
+    plain = SlotState.zeros(n + 2, heads, dim, capacity, device=DEVICE)
+    source_triton(case.q, k, v, tables, case.position, offsets, case.page_size, 0.1, dense=dense, slots=slots,
+                  state=plain, max_context=MAX_CONTEXT, blocks=blocks)
+    for field in SLOT_FIELDS:
+        if DEVICE == "cpu":
+            assert torch.equal(getattr(got, field), getattr(plain, field)), field
+        elif field in ("mass", "c_ref"):
+            _close(getattr(got, field), getattr(plain, field), STATE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype, blocks", PACKED_CASES)
 def test_correction_reads_packed_planes_as_the_rows_read_them(dtype, blocks):
     """With INT4 residual planes (`PackedRows`) the correction reads each kept key as its
     row reads it, exact from the tail or reconstructed from the packed records, straight
@@ -402,14 +464,10 @@ def test_correction_reads_packed_planes_as_the_rows_read_them(dtype, blocks):
     assert all(not torch.equal(got[i], torch.zeros_like(got[i])) for i in range(n))
     # the plain kernel over the Triton reader's copy of the keys
     keys = -(-(max(p for _, _, p in rows) + 1) // case.page_size) * case.page_size
-    k, v = read_keys(case.k_tail, case.v_tail, case.tables, case.page_size, case.packed, case.cell, case.depth,
-                     case.position, case.table_offset, keys, use_triton=True)
-    per_row = keys // case.page_size
+    k, v, tables, offsets = _read_copy(case, keys)
     copy = torch.zeros_like(case.q)
-    correction_triton(case.q, k.reshape(n * keys, *k.shape[2:]), v.reshape(n * keys, *v.shape[2:]),
-                      torch.arange(n * per_row, device=DEVICE), case.position,
-                      torch.arange(n, device=DEVICE) * per_row, case.page_size, slots=slots, state=state, out=copy,
-                      blocks=blocks, dense_rows=dense_rows)
+    correction_triton(case.q, k, v, tables, case.position, offsets, case.page_size, slots=slots, state=state,
+                      out=copy, blocks=blocks, dense_rows=dense_rows)
     if DEVICE == "cpu":
         assert torch.equal(got, copy)
     else:

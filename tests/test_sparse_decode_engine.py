@@ -459,7 +459,8 @@ def test_a_graphs_roles_give_what_row_lists_give():
 
 def _attention(q: torch.Tensor, read, position: int) -> torch.Tensor:
     """Row 0's dense attention over its keys 0..position through `read` (fp32, [Hq, D])."""
-    k_cache, v_cache, tables, offsets, page_size = read(torch.tensor([0]))
+    k_cache, v_cache, tables, offsets, page_size, packed = read(torch.tensor([0]))
+    assert packed is None  # a paged pool
     j = torch.arange(position + 1)
     at = tables[int(offsets[0]) + j // page_size] * page_size + j % page_size
     k = k_cache[at].repeat_interleave(q.shape[1] // k_cache.shape[1], dim=1)  # [n, Hq, D]

@@ -133,16 +133,17 @@ order. `select_splits` picks the split count for two waves of the GPU from stati
 blocks the split select ran 1.9x faster at 1 x 8K (8 splits) and 4.6x at 1 x 32K (17),
 and batch 32 keeps one program (bench/results/sparse_decode_kernels_h200.json).
 
-INT4 residual planes. The correction takes `packed=PackedRows(...)`: its caches and tables
-are then the planes' BF16 tails, and each kept key is read as the row reads it by the
-packed reader's own gather (`packed_attention._key_block`, key by key, so on the kept
+INT4 residual planes. `decode_source` and `decode_correction` take `packed=PackedRows(...)`:
+their caches and tables are then the planes' BF16 tails, and each key is read as the row
+reads it by the packed reader's own gather (`packed_attention._key_block`, key by key: the
+scores kernel over keys 0..pos, the select's V sums and the correction on the kept
 positions alone), launched without FMA contraction like that reader so the reconstruction
-rounds the same way. The reference reads the rows' keys into a paged copy
-(`read_keys_reference`) and corrects from it.
+rounds the same way. `_key_block` reconstructs K and V together, so the scores kernel also
+decodes V it does not use. The references read the rows' keys into a paged copy
+(`read_keys_reference`) and run from it. `decode_select` (scores kept by a dense launch)
+and the split select take a paged pool only: the packed reader keeps no scores.
 
-Not done: the scores and select kernels over INT4 planes (the runtime gathers the source
-rows' reconstructed keys into a paged scratch for them,
-`runtime.sparse_decode.gathered_reader`); the one-program select has Hq
+Not done: the one-program select has Hq
 programs per row, so at batch 1 it runs on 16 of 132 SMs, its passes bound by latency
 (lse could come from the scores kernel, one pass fewer, and the V gather is not
 software-pipelined); block sizes and warps are barely measured on the H200 (`Blocks`;
@@ -196,11 +197,11 @@ class SlotState:
 
 @dataclasses.dataclass
 class PackedRows:
-    """A correction's keys on INT4 residual planes: the layer's packed planes and each
-    row's cell and depth [N] (int). With it the caches and page tables `decode_correction`
-    takes are the planes' BF16 tails and their tables, and each kept key is read as the row
-    reads it: reconstructed from the packed records where the row's position has passed the
-    key's seal, exact from the tail otherwise (`specloop.kernels.packed_attention`)."""
+    """Keys on INT4 residual planes: the layer's packed planes and each row's cell and depth
+    [N] (int). With it the caches and page tables `decode_source` / `decode_correction`
+    take are the planes' BF16 tails and their tables, and each key is read as the row reads
+    it: reconstructed from the packed records where the row's position has passed the key's
+    seal, exact from the tail otherwise (`specloop.kernels.packed_attention`)."""
 
     packed: PackedKV
     cells: torch.Tensor
@@ -209,6 +210,21 @@ class PackedRows:
     def check(self, n: int) -> None:
         for t in (self.cells, self.depths):
             assert t.shape == (n,) and t.is_contiguous() and not t.is_floating_point(), "cells, depths: [N] ints"
+
+    def kernel_args(self, n: int, head_dim: int) -> tuple[tuple, dict]:
+        """The packed arguments of a kernel launch over n rows and their constexprs (no FMA
+        contraction: the reconstruction rounds lo + scale * code alone, as the packed reader
+        does)."""
+        self.check(n)
+        pk = self.packed
+        return ((pk.k.codes, pk.k.scale, pk.k.lo, pk.v.codes, pk.v.scale, pk.v.lo, pk.seal, pk.group_tables,
+                 pk.row_maps, self.cells, self.depths, pk.group_tables.shape[2], pk.row_maps.shape[2]),
+                dict(PACKED=True, PLANES=pk.planes, V_GROUPS=triton.cdiv(head_dim, 64), enable_fp_fusion=False))
+
+    @staticmethod
+    def no_args(any_tensor: torch.Tensor) -> tuple[tuple, dict]:
+        """`kernel_args` of a launch without packed planes (never read)."""
+        return (any_tensor,) * 11 + (0, 0), dict(PACKED=False, PLANES=1, V_GROUPS=1)
 
     def gather(self, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                table_offsets: torch.Tensor, page_size: int) -> tuple:
@@ -430,11 +446,16 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 def _scores_kernel(
     q_ptr, k_ptr, tables_ptr, positions_ptr, offsets_ptr, scratch_ptr,
     first, stride_qn, stride_qh, stride_ks, stride_kh, stride_xr, stride_xh, max_context, splits, scale,
+    v_ptr, stride_vs, stride_vh, num_kv_heads,
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+    row_maps_ptr, cell_ptr, depth_ptr, max_groups, max_len,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+    PACKED: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     """Per (row of the chunk, KV head, split): s = q . k * D^-0.5 (fp32) of the split's share
-    of keys 0..pos, for the KV head's query heads, into the scratch."""
+    of keys 0..pos, for the KV head's query heads, into the scratch. PACKED: k (and v) are
+    INT4 residual planes' tails and each key is read as the row reads it (`_key_block`)."""
     r = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -451,14 +472,27 @@ def _scores_kernel(
         q = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         at = r * stride_xr + head * stride_xh  # each head's scratch row
+        cell = row * 0
+        depth = kv_head * 0
+        if PACKED:
+            cell = tl.load(cell_ptr + row).to(tl.int64)
+            depth = tl.load(depth_ptr + row).to(tl.int32)
         for start in range(lo, hi, BLOCK_N):
             # One block of keys through the page table, shared by the KV head's query heads.
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
-            page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
-            slot = page * PAGE_SIZE + j % PAGE_SIZE
-            k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                        mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+            if PACKED:
+                k, _v = _key_block(
+                    j, j_ok, cell, depth, pos.to(tl.int32), table, kv_head, k_ptr, v_ptr, tables_ptr, k_codes_ptr,
+                    k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+                    row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+                k = k.to(q_ptr.dtype.element_ty)  # fp32 holding the dtype's values: exact
+            else:
+                page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
+                slot = page * PAGE_SIZE + j % PAGE_SIZE
+                k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                            mask=j_ok[:, None] & d_ok[None, :], other=0.0)
             s = _dot(q, tl.trans(k), DOT_FP32) * scale
             tl.store(scratch_ptr + at[:, None] + j[None, :], s, mask=g_ok[:, None] & j_ok[None, :])
 
@@ -586,6 +620,34 @@ def _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, kv_head, stride_vs, st
 
 
 @triton.jit
+def _kept_sums_packed(
+    x_row, keys_row, n, lse, b, pos, cell, depth, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr,
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+    row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    """`_kept_sums` over INT4 residual planes: V of each kept key as the row at `pos` reads
+    it (`_key_block`)."""
+    mass = tl.zeros([BLOCK_V], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, b, BLOCK_V):
+        i = start + tl.arange(0, BLOCK_V)
+        ok = i < b
+        j = tl.load(keys_row + i, mask=ok, other=0, cache_modifier=".cg")  # written by this program
+        j = tl.where((j >= 0) & (j < n), j, 0)  # in bounds even for NaN scores
+        p, _bits = _probs(x_row, j.to(tl.int64), ok, lse)
+        _k, v = _key_block(
+            j, ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr,
+            k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, stride_ks,
+            stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len, PAGE_SIZE, HEAD_DIM, BLOCK_V,
+            BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+        mass += p
+        acc += tl.sum(p[:, None] * v, axis=0)
+    return tl.sum(mass, axis=0), acc
+
+
+@triton.jit
 def _store_state(dense_ptr, row, head, stride_dn, stride_dh, slot, at, b, mass, c_ref, count_ptr, mass_ptr,
                  o_ref_ptr, c_ref_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """A (row, head)'s state into its slot: O_ref = the dense output in fp32, C_ref, m, and
@@ -605,13 +667,17 @@ def _select_kernel(
     scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, dense_ptr, lse_ptr,
     keys_ptr, count_ptr, mass_ptr, o_ref_ptr, c_ref_ptr,
     first, stride_xr, stride_xh, stride_vs, stride_vh, stride_dn, stride_dh, stride_ln, num_heads, capacity,
-    max_context, num, den,
+    max_context, num, den, k_ptr, stride_ks, stride_kh,
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+    row_maps_ptr, cell_ptr, depth_ptr, max_groups, max_len,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr,
-    HAVE_LSE: tl.constexpr,
+    HAVE_LSE: tl.constexpr, PACKED: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
 ):
     """Per (row of the chunk, query head): lse (HAVE_LSE: the dense launch's), the exact
-    top-b of P, and the slot's state."""
+    top-b of P, and the slot's state. PACKED: V of the kept keys from INT4 residual planes
+    (k / v their tails), as the row reads it."""
     r = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = first + r
@@ -631,8 +697,16 @@ def _select_kernel(
         _write_kept(x_row, keys_row, n, lse, threshold, need, b, BLOCK_S)
         tl.debug_barrier()  # the kept positions, written above by other threads, are read below
         table = tl.load(offsets_ptr + row).to(tl.int64)
-        mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs, stride_vh,
-                                 n, lse, b, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D)
+        if PACKED:
+            mass, c_ref = _kept_sums_packed(
+                x_row, keys_row, n, lse, b, pos.to(tl.int32), tl.load(cell_ptr + row).to(tl.int64),
+                tl.load(depth_ptr + row).to(tl.int32), table, head // GROUP, k_ptr, v_ptr, tables_ptr, k_codes_ptr,
+                k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr,
+                stride_ks, stride_kh, stride_vs, stride_vh, num_heads // GROUP, max_groups, max_len, PAGE_SIZE,
+                HEAD_DIM, BLOCK_V, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+        else:
+            mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs, stride_vh,
+                                     n, lse, b, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D)
         _store_state(dense_ptr, row, head, stride_dn, stride_dh, slot, at, b, mass, c_ref, count_ptr, mass_ptr,
                      o_ref_ptr, c_ref_ptr, HEAD_DIM, BLOCK_D)
 
@@ -1042,11 +1116,13 @@ def _shape(num_heads: int, cache: torch.Tensor, page_size: int) -> dict:
 def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, key_retention: float,
                   *, dense: torch.Tensor, slots: torch.Tensor, state: SlotState, max_context: int,
-                  scratch: torch.Tensor | None = None, blocks: Blocks = Blocks()) -> None:
+                  scratch: torch.Tensor | None = None, blocks: Blocks = Blocks(),
+                  packed: PackedRows | None = None) -> None:
     """Loop-2 state on the device: per chunk of scratch rows, the scores kernel then the
     select kernel; no host sync, a fixed launch sequence for fixed shapes (CUDA graphs).
     max_context (static, > every position) bounds the keys and the budgets that the state's
-    capacity must cover (checked here from Python ints)."""
+    capacity must cover (checked here from Python ints). `packed`: the caches are INT4
+    residual planes' tails (`PackedRows`)."""
     _check(q, k_cache, v_cache, tables, positions, table_offsets, slots, state)
     n, num_heads, head_dim = q.shape
     capacity = state.keys.shape[2]
@@ -1064,10 +1140,10 @@ def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     splits = blocks.splits or score_splits(min(n, chunk), k_cache.shape[1], max_context, _num_sms(q.device))
     for first in range(0, n, chunk):
         rows = min(chunk, n - first)
-        _launch_scores(q, k_cache, tables, positions, table_offsets, page_size, scratch, first, rows, max_context,
-                       splits, blocks)
+        _launch_scores(q, k_cache, v_cache, tables, positions, table_offsets, page_size, scratch, first, rows,
+                       max_context, splits, blocks, packed)
         _launch_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, slots, state,
-                       scratch, first, rows, max_context, blocks)
+                       scratch, first, rows, max_context, blocks, k_cache=k_cache, packed=packed)
 
 
 def decode_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
@@ -1147,36 +1223,46 @@ def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions:
                                          BLOCK_V=blocks.gather, BLOCK_P=block_p)
 
 
-def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                   table_offsets: torch.Tensor, page_size: int, scratch: torch.Tensor, first: int, rows: int,
-                   max_context: int, splits: int, blocks: Blocks) -> None:
+def _launch_scores(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                   positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, scratch: torch.Tensor,
+                   first: int, rows: int, max_context: int, splits: int, blocks: Blocks,
+                   packed: PackedRows | None = None) -> None:
     """The scores kernel over rows first..first+rows-1 into scratch rows 0..rows-1."""
     shape = _shape(q.shape[1], k_cache, page_size)
+    planes, extra = (packed.kernel_args(q.shape[0], q.shape[2]) if packed is not None
+                     else PackedRows.no_args(positions))
     _scores_kernel[(rows, k_cache.shape[1], splits)](
         q, k_cache, tables, positions, table_offsets, scratch,
         first, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), scratch.stride(0), scratch.stride(1),
-        max_context, splits, q.shape[2] ** -0.5,
-        BLOCK_M=max(16, triton.next_power_of_2(shape["GROUP"])), BLOCK_N=blocks.scores,
-        DOT_FP32=_INTERPRET or q.dtype == torch.float32, **shape,
+        max_context, splits, q.shape[2] ** -0.5, v_cache, v_cache.stride(0), v_cache.stride(1), k_cache.shape[1],
+        *planes, BLOCK_M=max(16, triton.next_power_of_2(shape["GROUP"])), BLOCK_N=blocks.scores,
+        DOT_FP32=_INTERPRET or q.dtype == torch.float32, BF16_BY_HAND=_INTERPRET and q.dtype == torch.bfloat16,
+        **shape, **extra,
     )
 
 
 def _launch_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                    table_offsets: torch.Tensor, page_size: int, key_retention: float, dense: torch.Tensor,
                    slots: torch.Tensor, state: SlotState, scratch: torch.Tensor, first: int, rows: int,
-                   max_context: int, blocks: Blocks, lse: torch.Tensor | None = None) -> None:
+                   max_context: int, blocks: Blocks, lse: torch.Tensor | None = None,
+                   k_cache: torch.Tensor | None = None, packed: PackedRows | None = None) -> None:
     """The select kernel over rows first..first+rows-1, whose scores are in scratch rows
-    0..rows-1 (and whose lse [N, Hq], when given, is the dense launch's)."""
+    0..rows-1 (and whose lse [N, Hq], when given, is the dense launch's). `packed` (with the
+    K tail `k_cache`): V from INT4 residual planes."""
     num_heads = dense.shape[1]
     num, den = retention_fraction(key_retention)
+    planes, extra = (packed.kernel_args(dense.shape[0], dense.shape[2]) if packed is not None
+                     else PackedRows.no_args(positions))
+    k_cache = v_cache if k_cache is None else k_cache
     _select_kernel[(rows, num_heads)](
         scratch, v_cache, tables, positions, table_offsets, slots, dense, dense if lse is None else lse,
         state.keys, state.count, state.mass, state.o_ref, state.c_ref,
         first, scratch.stride(0), scratch.stride(1), v_cache.stride(0), v_cache.stride(1), dense.stride(0),
         dense.stride(1), 0 if lse is None else lse.stride(0), num_heads, state.keys.shape[2], max_context, num, den,
+        k_cache, k_cache.stride(0), k_cache.stride(1), *planes,
         BLOCK_S=blocks.select, BLOCK_V=blocks.gather, RADIX_BITS=blocks.radix_bits,
-        HAVE_LSE=lse is not None,
-        **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps,
+        HAVE_LSE=lse is not None, BF16_BY_HAND=_INTERPRET and dense.dtype == torch.bfloat16,
+        **_shape(num_heads, v_cache, page_size), num_warps=blocks.select_warps, **extra,
     )
 
 
@@ -1204,16 +1290,7 @@ def correction_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if has_dense:
         assert dense_rows.shape == (n,) and dense_rows.is_contiguous(), "dense_rows: [N]"
         dense_rows = dense_rows.view(torch.uint8) if dense_rows.dtype == torch.bool else dense_rows
-    if packed is not None:
-        packed.check(n)
-        pk = packed.packed
-        planes = (pk.k.codes, pk.k.scale, pk.k.lo, pk.v.codes, pk.v.scale, pk.v.lo, pk.seal, pk.group_tables,
-                  pk.row_maps, packed.cells, packed.depths, pk.group_tables.shape[2], pk.row_maps.shape[2])
-        # the reconstruction rounds lo + scale * code alone, as the packed reader does (no FMA)
-        extra = dict(PACKED=True, PLANES=pk.planes, V_GROUPS=triton.cdiv(head_dim, 64), enable_fp_fusion=False)
-    else:  # the packed arguments are never read
-        planes = (positions,) * 11 + (0, 0)
-        extra = dict(PACKED=False, PLANES=1, V_GROUPS=1)
+    planes, extra = packed.kernel_args(n, head_dim) if packed is not None else PackedRows.no_args(positions)
     _correction_kernel[(n, k_cache.shape[1], splits)](
         q, k_cache, v_cache, tables, positions, table_offsets, slots, state.keys, state.count, state.mass,
         state.o_ref, state.c_ref, out, part, stats, dense_rows if has_dense else positions, q.stride(0), q.stride(1),
@@ -1244,15 +1321,22 @@ def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
 def decode_source(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   positions: torch.Tensor, table_offsets: torch.Tensor, page_size: int, key_retention: float, *,
                   dense: torch.Tensor, slots: torch.Tensor, state: SlotState, max_context: int,
-                  scratch: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
+                  scratch: torch.Tensor | None = None, use_triton: bool | None = None,
+                  packed: PackedRows | None = None) -> None:
     """Loop-2 state of the rows into their slots (module docstring); checks the capacity
-    against max_context on the host from Python ints before either implementation runs."""
+    against max_context on the host from Python ints before either implementation runs.
+    `packed`: the caches and tables are INT4 residual planes' tails, and each key is read
+    as the row reads it (`PackedRows`)."""
     check_capacity(max_context, key_retention, state.keys.shape[2])
-    args = (q, k_cache, v_cache, tables, positions, table_offsets, page_size, key_retention)
     if _use_triton(q, use_triton):
-        source_triton(*args, dense=dense, slots=slots, state=state, max_context=max_context, scratch=scratch)
-    else:
-        source_reference(*args, dense=dense, slots=slots, state=state, max_context=max_context)
+        source_triton(q, k_cache, v_cache, tables, positions, table_offsets, page_size, key_retention, dense=dense,
+                      slots=slots, state=state, max_context=max_context, scratch=scratch, packed=packed)
+        return
+    if packed is not None:  # the reference reads the rows' keys into a paged copy first
+        k_cache, v_cache, tables, table_offsets, page_size = packed.gather(k_cache, v_cache, tables, positions,
+                                                                           table_offsets, page_size)
+    source_reference(q, k_cache, v_cache, tables, positions, table_offsets, page_size, key_retention, dense=dense,
+                     slots=slots, state=state, max_context=max_context)
 
 
 def decode_correction(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

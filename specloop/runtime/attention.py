@@ -26,13 +26,13 @@ import torch
 from torch.nn import functional as F
 
 from specloop.errors import ConfigError
-from specloop.kernels.packed_attention import packed_attention, packed_splits, read_keys
+from specloop.kernels.packed_attention import packed_attention, packed_splits
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention
 from specloop.runtime.forward_batch import GroupShape, LoopPass
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.kv_residual import PackedResiduals
 from specloop.runtime.sparse_decode import (
-    DecodeReferences, KeptScores, SparseRows, gathered_reader, paged_reader, plane_reader,
+    DecodeReferences, KeptScores, SparseRows, paged_reader, plane_reader,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -303,20 +303,13 @@ def _sparse_decode(backend: TorchAttention | TritonAttention, layer: int, q: tor
         return out
     kv = backend.kv
     k, v = kv.k[layer], kv.v[layer]
-    planes = None
     if backend.residuals is None:
         read = paged_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size, sparse.rows.every)
-    else:
-        packed = backend.residuals.layer_view(layer)
-
-        def keys_of(r: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return read_keys(k, v, sparse.tables, kv.page_size, packed, sparse.cells[r], sparse.depths[r],
-                             sparse.positions[r], sparse.table_offsets[r], keys, use_triton=use_triton)
-        read = gathered_reader(keys_of, sparse.longest, kv.page_size)  # the source's (loop 2)
-        planes = plane_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size, packed, sparse.cells,
-                              sparse.depths, sparse.rows.every)  # the corrections read the planes directly
+    else:  # the kernels read each key as its row reads it, straight from the planes
+        read = plane_reader(k, v, sparse.tables, sparse.table_offsets, kv.page_size,
+                            backend.residuals.layer_view(layer), sparse.cells, sparse.depths, sparse.rows.every)
     return backend.references.attend(layer, sparse.rows, q, out, sparse.positions, sparse.token_slots, read,
-                                     use_triton, sparse.longest, sparse.exited, kept, planes)
+                                     use_triton, sparse.longest, sparse.exited, kept)
 
 
 def backend_name(name: str, device: torch.device) -> str:

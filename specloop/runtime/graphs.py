@@ -79,8 +79,8 @@ class LoopGraphs:
         self.max_context = max_context
         # Per (bucket, whether the pass has sparse decode rows): passes without them (loop 1,
         # prompts) skip that work, which a graph would otherwise launch over padding.
-        # With INT4 residuals the sparse rows' keys are gathered per row (`gathered_reader`), a
-        # transient no graph could hold at the longest context: those passes run eager.
+        # With INT4 residuals those passes still run eager: capturing them (the sparse decode
+        # kernels now read the packed planes directly, no transient) is not yet checked on a GPU.
         self.variants = (False, True) if batches.sparse_decode and not batches.residual else (False,)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self._hidden_size, self._dtype, self._adaptive_exit = hidden_size, dtype, adaptive_exit

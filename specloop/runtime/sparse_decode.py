@@ -28,12 +28,9 @@ play which part (`SparseRows.source_ok` / `correction_ok`), padding rows play no
 write nothing, and the scores scratch has a fixed address.
 
 With INT4 residual planes the source and correction read each key as the row reads it
-(exact from the BF16 tail or reconstructed from the packed planes, by the read rule). The
-corrections read their kept keys straight from the planes (`plane_reader`: the correction
-kernel runs the packed reader's gather on the kept positions alone). The source still reads
-through a per-layer gather of its rows' keys (`gathered_reader`): correct, not fast, and
-eager only (a graph could not hold the gather at the longest context), so with INT4 these
-passes run eager.
+(exact from the BF16 tail or reconstructed from the packed planes, by the read rule),
+straight from the planes (`plane_reader`: the kernels run the packed reader's own gather,
+the correction on its kept positions alone); no copy of the keys is made.
 """
 
 from __future__ import annotations
@@ -171,8 +168,7 @@ class DecodeReferences:
 
     def attend(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
                token_slots: torch.Tensor, read: KeyReader, use_triton: bool, context: int,
-               exited: torch.Tensor | None = None, kept: KeptScores | None = None,
-               planes: PlaneReader | None = None) -> torch.Tensor:
+               exited: torch.Tensor | None = None, kept: KeptScores | None = None) -> torch.Tensor:
         """`out` [N, Hq, D] (the dense attention of the pass's rows) with the generated
         tokens' rows replaced: sources keep their state (their output is the dense one,
         which is O_ref), corrections output the corrected attention where their state is
@@ -181,14 +177,12 @@ class DecodeReferences:
         their outputs are dropped) run neither. One layer; `read` gives the keys a set of
         rows reads (`KeyReader`); `context` (host) bounds every row's position + 1; `kept`,
         when given, holds the source rows' scores and the rows' lse from the dense launch
-        (Triton: the source runs its select kernel alone); `planes`, with INT4 residual
-        planes, where the corrections read their kept keys instead of `read` (straight
-        from the planes, no copy); no host sync."""
+        (Triton: the source runs its select kernel alone); no host sync."""
         if rows.source.numel():
             self._source(layer, rows, q, out, positions, token_slots, read, use_triton, exited,
                          min(max(context, 1), self.max_context), kept)
         if rows.correction.numel():
-            self._correct(layer, rows, q, out, positions, token_slots, read, use_triton, exited, planes)
+            self._correct(layer, rows, q, out, positions, token_slots, read, use_triton, exited)
         return out
 
     def _source(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
@@ -204,16 +198,16 @@ class DecodeReferences:
             mark = safe if rows.source_ok is None else torch.where(rows.source_ok, safe, self.num_slots)
             rows.memo["source"] = (slots, torch.where(run, rows.pick(positions, r), -1), run, mark)
         slots, at, run, mark = rows.memo["source"]
-        k_cache, v_cache, tables, offsets, page_size = read(r)
+        k_cache, v_cache, tables, offsets, page_size, packed = read(r)
         dense = rows.pick(out, r).contiguous()
-        if kept is not None:
+        if kept is not None:  # (a paged pool's: the packed reader keeps no scores)
             decode_select(v_cache, tables, at, offsets, page_size, self.key_retention, dense=dense,
                           lse=rows.pick(kept.lse, r).contiguous(), scores=kept.scores, slots=slots,
                           state=self.layer(layer), max_context=context)
         else:
             decode_source(rows.pick(q, r).contiguous(), k_cache, v_cache, tables, at, offsets, page_size,
                           self.key_retention, dense=dense, slots=slots, state=self.layer(layer), max_context=context,
-                          scratch=self._scratch(context), use_triton=use_triton)
+                          scratch=self._scratch(context), use_triton=use_triton, packed=packed)
         if layer == self.present.shape[1] - 1:  # every layer's state is written: one write for all
             self.present[mark] = run[:, None].expand(-1, self.present.shape[1])
 
@@ -235,8 +229,7 @@ class DecodeReferences:
         return self.scratch[: rows * heads * keys].view(rows, heads, keys)
 
     def _correct(self, layer: int, rows: SparseRows, q: torch.Tensor, out: torch.Tensor, positions: torch.Tensor,
-                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None,
-                 planes: PlaneReader | None = None) -> None:
+                 token_slots: torch.Tensor, read: KeyReader, use_triton: bool, exited: torch.Tensor | None) -> None:
         r = rows.correction
         if layer == 0 or "correction" not in rows.memo:  # the pass's first layer
             slots = rows.pick(token_slots, r)
@@ -247,10 +240,7 @@ class DecodeReferences:
             self.fallbacks += missing.sum()
             rows.memo["correction"] = (slots, torch.where(run, rows.pick(positions, r), -1), missing)
         slots, at, missing = rows.memo["correction"]
-        if planes is not None:
-            k_cache, v_cache, tables, offsets, page_size, packed = planes(r)
-        else:
-            (k_cache, v_cache, tables, offsets, page_size), packed = read(r), None
+        k_cache, v_cache, tables, offsets, page_size, packed = read(r)
         if rows.every:  # corrected in place: rows that run no correction are left as they are
             decode_correction(q.contiguous(), k_cache, v_cache, tables, at, offsets, page_size, slots=slots,
                               state=self.layer(layer), out=out, use_triton=use_triton, dense_rows=missing,
@@ -270,49 +260,27 @@ def _running(rows: SparseRows, r: torch.Tensor, ok: torch.Tensor | None,
     return run if exited is None else run & ~rows.pick(exited, r)
 
 
-KeyReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]
-"""Rows r [n] -> (K, V [S, Hkv, D], page tables, each row's table offset [n], page size):
-where the keys of rows r sit as they read them (the BF16 pool, or a gather of the packed
-planes' reads)."""
-
-
-PlaneReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, PackedRows]]
-"""Rows r [n] -> (the BF16 tails K, V [S, Hkv, D], their page tables, each row's table offset
-[n], page size, the rows' `PackedRows`): where the corrections of rows r read their kept keys
-on INT4 residual planes, each as the row reads it."""
-
-
-def plane_reader(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
-                 page_size: int, packed: PackedKV, cells: torch.Tensor, depths: torch.Tensor,
-                 every: bool = False) -> PlaneReader:
-    """One layer's INT4 residual planes (`every`: the rows asked for are every row)."""
-    def read(r: torch.Tensor):
-        pick = (lambda x: x) if every else (lambda x: x[r].contiguous())  # noqa: E731
-        return (k_tail, v_tail, tables, pick(table_offsets), page_size,
-                PackedRows(packed, pick(cells), pick(depths)))
-    return read
+KeyReader = Callable[[torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, PackedRows | None]]
+"""Rows r [n] -> (K, V [S, Hkv, D], page tables, each row's table offset [n], page size, and
+`PackedRows` or None): where the keys of rows r sit as they read them: the BF16 pool, or
+INT4 residual planes (then K and V are the planes' BF16 tails, and the kernels read each key
+exact from them or reconstructed from the records, as the row reads it)."""
 
 
 def paged_reader(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
                  page_size: int, every: bool = False) -> KeyReader:
     """Keys in one layer of the BF16 page pool (`every`: the rows asked for are every row)."""
-    return lambda r: (k_cache, v_cache, tables, table_offsets if every else table_offsets[r].contiguous(), page_size)
+    return lambda r: (k_cache, v_cache, tables, table_offsets if every else table_offsets[r].contiguous(), page_size,
+                      None)
 
 
-def gathered_reader(read_keys: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]], longest: int,
-                    page_size: int) -> KeyReader:
-    """Keys as each row reads them from INT4 residual planes (exact from the tail or
-    reconstructed, by the read rule), gathered into a scratch of `longest` keys per row
-    rounded up to whole pages (`read_keys(rows, keys)` -> K, V [n, keys, Hkv, D]); the
-    rows' tables are consecutive pages of it. A transient of n x longest keys per layer:
-    correct, not fast."""
-    keys = -(-max(longest, 1) // page_size) * page_size
-    per_row = keys // page_size
-
+def plane_reader(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
+                 page_size: int, packed: PackedKV, cells: torch.Tensor, depths: torch.Tensor,
+                 every: bool = False) -> KeyReader:
+    """Keys on one layer's INT4 residual planes (`every`: the rows asked for are every row)."""
     def read(r: torch.Tensor):
-        k, v = read_keys(r, keys)
-        n = r.numel()
-        tables = torch.arange(n * per_row, dtype=torch.long, device=k.device)
-        offsets = torch.arange(n, dtype=torch.long, device=k.device) * per_row
-        return k.reshape(n * keys, *k.shape[2:]), v.reshape(n * keys, *v.shape[2:]), tables, offsets, page_size
+        pick = (lambda x: x) if every else (lambda x: x[r].contiguous())  # noqa: E731
+        return (k_tail, v_tail, tables, pick(table_offsets), page_size,
+                PackedRows(packed, pick(cells), pick(depths)))
     return read
