@@ -178,10 +178,12 @@ def _plane_decode(
     k, v, r, rec, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
     num_kv_heads, p: tl.constexpr, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    PARTS: tl.constexpr = 3,
 ):
     """k, v with plane p's decode applied for keys with a row and a record there where
     `recon`: plane 0's decode, or the residual added and rounded (codes, scale and lo
-    loaded only for those keys). Masks alone, no branch on the depth or on keys sharing a
+    loaded only for those keys). PARTS: 3 both, 1 K alone, 2 V alone (the other returned
+    as given: nothing of it is loaded). Masks alone, no branch on the depth or on keys sharing a
     record: planes past the depth have no rows (`_plane_rows`), and the branching variant
     (one [D] scale load for a one-record block) was 1.2x slower on the H200
     (bench/results/packed_reader_sweep_h200.json)."""
@@ -192,34 +194,39 @@ def _plane_decode(
         row = tl.where(use, r % 64, 0)
         rec = tl.where(use, rec, 0).to(tl.int64)
         ok = use[:, None] & d_ok[None, :]
-        # K: byte (rec, row // 2, head, d), the row's nibble; scale / lo (rec, head, d)
-        pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
-        byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
-        code = (byte >> (4 * (row % 2))[:, None]) & 0xF
-        each = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
-        scale = tl.load(k_scale_ptr + each, mask=ok, other=0.0).to(tl.float32)
-        lo = tl.load(k_lo_ptr + each, mask=ok, other=0.0).to(tl.float32)
-        dk = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
-        # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo per
-        # (row, 64 channels): one [BLOCK_N] load per channel group, spread over its channels
-        vrow = (rec * 64 + row) * num_kv_heads + kv_head
-        byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
-                       other=0).to(tl.int32)
-        code = (byte >> (4 * (d % 2))[None, :]) & 0xF
-        scale = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        lo = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        for g in tl.static_range(V_GROUPS):
-            at = vrow * V_GROUPS + g
-            here = (d // 64 == g)[None, :]
-            scale = tl.where(here, tl.load(v_scale_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], scale)
-            lo = tl.where(here, tl.load(v_lo_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], lo)
-        dv = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
-        if p == 0:
-            k = tl.where(ok, dk, 0.0)
-            v = tl.where(ok, dv, 0.0)
-        else:
-            k = tl.where(ok, round_to(k + dk, DTYPE, BF16_BY_HAND), k)
-            v = tl.where(ok, round_to(v + dv, DTYPE, BF16_BY_HAND), v)
+        if PARTS % 2 == 1:
+            # K: byte (rec, row // 2, head, d), the row's nibble; scale / lo (rec, head, d)
+            pair = (rec * 32 + row // 2) * num_kv_heads + kv_head
+            byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0).to(tl.int32)
+            code = (byte >> (4 * (row % 2))[:, None]) & 0xF
+            each = ((rec * num_kv_heads + kv_head) * HEAD_DIM)[:, None] + d[None, :]
+            scale = tl.load(k_scale_ptr + each, mask=ok, other=0.0).to(tl.float32)
+            lo = tl.load(k_lo_ptr + each, mask=ok, other=0.0).to(tl.float32)
+            dk = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+            if p == 0:
+                k = tl.where(ok, dk, 0.0)
+            else:
+                k = tl.where(ok, round_to(k + dk, DTYPE, BF16_BY_HAND), k)
+        if PARTS >= 2:
+            # V: row rec * 64 + row; byte (that row, head, d // 2), the channel's nibble; scale / lo
+            # per (row, 64 channels): one [BLOCK_N] load per channel group, spread over its channels
+            vrow = (rec * 64 + row) * num_kv_heads + kv_head
+            byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=ok,
+                           other=0).to(tl.int32)
+            code = (byte >> (4 * (d % 2))[None, :]) & 0xF
+            scale = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            lo = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+            for g in tl.static_range(V_GROUPS):
+                at = vrow * V_GROUPS + g
+                here = (d // 64 == g)[None, :]
+                scale = tl.where(here, tl.load(v_scale_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None],
+                                 scale)
+                lo = tl.where(here, tl.load(v_lo_ptr + at, mask=use, other=0.0).to(tl.float32)[:, None], lo)
+            dv = round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
+            if p == 0:
+                v = tl.where(ok, dv, 0.0)
+            else:
+                v = tl.where(ok, round_to(v + dv, DTYPE, BF16_BY_HAND), v)
     return k, v
 
 
@@ -228,7 +235,7 @@ def _reconstructed(
     recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
     r0, c0, r1, c1, r2, c2, r3, c3,
     DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr, PARTS: tl.constexpr = 3,
 ):
     """K and V [BLOCK_N, BLOCK_D] of the block's keys reconstructed at the rows' depth where
     `recon`, fp32 holding DTYPE values, 0 elsewhere: plane 0's decode plus the residual of
@@ -237,16 +244,16 @@ def _reconstructed(
     v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     k, v = _plane_decode(k, v, r0, c0, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 0, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND)
+                         BF16_BY_HAND, PARTS)
     k, v = _plane_decode(k, v, r1, c1, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 1, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND)
+                         BF16_BY_HAND, PARTS)
     k, v = _plane_decode(k, v, r2, c2, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 2, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND)
+                         BF16_BY_HAND, PARTS)
     k, v = _plane_decode(k, v, r3, c3, recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
                          v_scale_ptr, v_lo_ptr, num_kv_heads, 3, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
-                         BF16_BY_HAND)
+                         BF16_BY_HAND, PARTS)
     return k, v
 
 
@@ -264,16 +271,19 @@ def _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr, max_groups
 @triton.jit
 def _exact(
     j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr = 3,
 ):
     """K and V [BLOCK_N, BLOCK_D] (the tails' dtype) of keys j from their tail slots in the
-    page table at `table` where `exact`, 0 elsewhere (no other slot is loaded)."""
+    page table at `table` where `exact`, 0 elsewhere (no other slot is loaded; PARTS as in
+    `_plane_decode`: a part not asked for is all 0, nothing of it loaded)."""
     d = tl.arange(0, BLOCK_D)
     page = tl.load(tables_ptr + table + tl.where(exact, j, 0) // PAGE_SIZE, mask=exact, other=0).to(tl.int64)
     slot = page * PAGE_SIZE + j % PAGE_SIZE
     ok = exact[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_tail_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=ok, other=0.0)
-    v = tl.load(v_tail_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=ok, other=0.0)
+    k = tl.load(k_tail_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=ok & (PARTS % 2 == 1), other=0.0)
+    v = tl.load(v_tail_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                mask=ok & (PARTS >= 2), other=0.0)
     return k, v
 
 
@@ -284,10 +294,11 @@ def _key_block(
     seal_ptr, group_tables_ptr, row_maps_ptr,
     stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr, PARTS: tl.constexpr = 3,
 ):
     """K and V [BLOCK_N, BLOCK_D] of keys j (where j_ok) as one row at `pos` reads them: fp32
-    holding DT values, 0 elsewhere (the attention kernel's gather for a one-row tile)."""
+    holding DT values, 0 elsewhere (the attention kernel's gather for a one-row tile; PARTS
+    as in `_plane_decode`)."""
     r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr, max_groups,
                                                  max_len, PLANES)
     seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
@@ -298,9 +309,9 @@ def _key_block(
     if tl.max(recon.to(tl.int32), axis=0) > 0:  # a block of exact keys skips the decode
         k, v = _reconstructed(recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
                               v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3, k_tail_ptr.dtype.element_ty,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+                              HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, PARTS)
     k_exact, v_exact = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh,
-                              stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
+                              stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D, PARTS)
     k = tl.where(recon[:, None], k, k_exact.to(tl.float32))
     v = tl.where(recon[:, None], v, v_exact.to(tl.float32))
     return k, v

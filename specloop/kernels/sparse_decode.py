@@ -138,8 +138,8 @@ their caches and tables are then the planes' BF16 tails, and each key is read as
 reads it by the packed reader's own gather (`packed_attention._key_block`, key by key: the
 scores kernel over keys 0..pos, the select's V sums and the correction on the kept
 positions alone), launched without FMA contraction like that reader so the reconstruction
-rounds the same way. `_key_block` reconstructs K and V together, so the scores kernel also
-decodes V it does not use. The references read the rows' keys into a paged copy
+rounds the same way; the scores kernel decodes K alone, the V sums V alone. The
+references read the rows' keys into a paged copy
 (`read_keys_reference`) and run from it. `decode_select` (scores kept by a dense launch)
 and the split select take a paged pool only: the packed reader keeps no scores.
 
@@ -486,7 +486,7 @@ def _scores_kernel(
                     j, j_ok, cell, depth, pos.to(tl.int32), table, kv_head, k_ptr, v_ptr, tables_ptr, k_codes_ptr,
                     k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
                     row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
-                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, 1)  # K alone
                 k = k.to(q_ptr.dtype.element_ty)  # fp32 holding the dtype's values: exact
             else:
                 page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
@@ -641,7 +641,7 @@ def _kept_sums_packed(
             j, ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr,
             k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, stride_ks,
             stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len, PAGE_SIZE, HEAD_DIM, BLOCK_V,
-            BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+            BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, 2)  # V alone
         mass += p
         acc += tl.sum(p[:, None] * v, axis=0)
     return tl.sum(mass, axis=0), acc
