@@ -27,9 +27,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
                                   {"sparse_decode_attention": {}, "enforce_eager": True},
                                   {"sparse_decode_attention": {}, "speculation": "block"},
                                   {"sparse_decode_attention": {}, "enforce_eager": True, "speculation": "pipeline",
-                                   "draft_loops": 1, "kv_residual_quantization": {"tail": 16}}],
+                                   "draft_loops": 1, "kv_residual_quantization": {"tail": 16}},
+                                  {"sparse_decode_attention": {}, "kv_residual_quantization": {"tail": 16}}],
                          ids=["plain", "exit", "block", "pipeline", "int4", "int4-exec-block", "sparse-decode",
-                              "sparse-decode-graphs-block", "sparse-decode-pipeline-int4"])
+                              "sparse-decode-graphs-block", "sparse-decode-pipeline-int4",
+                              "sparse-decode-graphs-int4"])
 def test_submit_does_not_synchronise(tiny_ckpt, spec):
     engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cuda", dtype="float32",
                                                  kv_cache_bytes=64 << 20, max_num_batched_tokens=16, **spec))

@@ -3,7 +3,7 @@
 the torch backend (fp32), each against the FlashLoop reference with the same
 configuration; and on the GPU under CUDA graphs (fp32, the Triton backend), where every
 cell must replay graphs, and the sparse decode cells their own graphs for passes with
-generated-token rows (with INT4 residuals those passes run eager, which the cell checks);
+generated-token rows (with INT4 residuals too: those kernels read the packed planes);
 and the same graph cells with the model in bf16, against the fp32 reference within
 bf16's bounds (BF16_TOL).
 
@@ -109,8 +109,7 @@ def test_eager_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
 def test_graph_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
     """CUDA graphs on (the default on CUDA), fp32, the Triton backend: every cell runs
     replayed passes. With sparse decode attention the passes with generated-token rows
-    replay their own graphs, except with INT4 residuals, where they run eager (not yet
-    captured: `LoopGraphs.variants`)."""
+    replay their own graphs (`LoopGraphs.variants`), with or without INT4 residuals."""
     engine = _engine(tiny_ckpt, combo, mode, device="cuda")
     graphs = engine.executor.runner.graphs
     assert graphs is not None and graphs.graphs
@@ -119,7 +118,7 @@ def test_graph_cell_matches_the_reference(tiny_ckpt, combo, mode, sampling):
     tol = 1e-3 if combo[2] else 1e-4
     _check(tiny_ckpt, combo, run_all(engine, PROMPTS, SAMPLING[sampling]), sampling, tol)
     assert graphs.replays > 0
-    assert (graphs.sparse_replays > 0) == (combo[1] and not combo[2])
+    assert (graphs.sparse_replays > 0) == combo[1]
 
 
 # bf16 against the fp32 reference: the engine's own rounding (8-bit mantissas through 4
@@ -146,4 +145,4 @@ def test_bf16_graph_cell_near_the_reference(tiny_ckpt, combo, mode, sampling):
     worst = _check(tiny_ckpt, combo, run_all(engine, PROMPTS, SAMPLING[sampling]), sampling, tol, near_argmax=True)
     print(f"bf16 cell {_name(combo)} {mode} {sampling}: largest logprob gap {worst:.2e}")
     assert graphs.replays > 0
-    assert (graphs.sparse_replays > 0) == (combo[1] and not combo[2])
+    assert (graphs.sparse_replays > 0) == combo[1]

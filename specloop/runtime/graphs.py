@@ -78,10 +78,10 @@ class LoopGraphs:
         self.splits = {b: pick(b, num_kv_heads, max_context, sms) for b in self.buckets}
         self.max_context = max_context
         # Per (bucket, whether the pass has sparse decode rows): passes without them (loop 1,
-        # prompts) skip that work, which a graph would otherwise launch over padding.
-        # With INT4 residuals those passes still run eager: capturing them (the sparse decode
-        # kernels now read the packed planes directly, no transient) is not yet checked on a GPU.
-        self.variants = (False, True) if batches.sparse_decode and not batches.residual else (False,)
+        # prompts) skip that work, which a graph would otherwise launch over padding. With INT4
+        # residuals the sparse decode kernels read the packed planes in place (no transient), so
+        # those passes capture too.
+        self.variants = (False, True) if batches.sparse_decode else (False,)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self._hidden_size, self._dtype, self._adaptive_exit = hidden_size, dtype, adaptive_exit
         self.replays = 0  # passes run through a graph (tests count them)
