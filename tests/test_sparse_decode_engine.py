@@ -200,7 +200,7 @@ def test_snapshot_restores_live_reference_state(tiny_ckpt, mode):
 @pytest.mark.parametrize("mode", ["plain", "block-d2", "plain-int4"])
 def test_triton_kernels_under_the_interpreter(tiny_ckpt, mode, monkeypatch):
     """The Triton backend runs the source and correction kernels (device top-b selection),
-    and with INT4 residuals the packed reader's gather (`read_keys_triton`) for them."""
+    and with INT4 residuals those kernels' own reads of the packed planes (`PackedRows`)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     tail = 5 if mode.endswith("int4") else None
     extra = {"kv_residual_quantization": {"tail": tail}} if tail else {}
