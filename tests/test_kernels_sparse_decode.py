@@ -39,7 +39,7 @@ from specloop.kernels.sparse_decode import (
     Blocks, PackedRows, SlotState, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
     decode_select, decode_source, key_budget, key_budgets, scratch_keys, scratch_rows, source_reference, source_triton,
 )
-from specloop.kernels.packed_attention import read_keys
+from specloop.kernels.packed_attention import packed_attention, read_keys
 from specloop.kernels.paged_attention import block_g, paged_attention
 from tests.test_kernels_packed_attention import _case as _packed_case
 from specloop.model.flashloop_reference import (
@@ -472,6 +472,64 @@ def test_correction_reads_packed_planes_as_the_rows_read_them(dtype, blocks):
         assert torch.equal(got, copy)
     else:
         _close(got, copy, OUT_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks(select_splits=1)), (torch.bfloat16, SPLIT_SELECT)])
+def test_packed_launch_keeps_scores_for_the_select(dtype, blocks):
+    """The fused source over INT4 residual planes: `packed_attention` (split) stores the
+    scored rows' scores as it reads the keys, within STATE_TOL of the reference's, without
+    changing its output or lse (a row with score row -1 and keys past a row's position are
+    not written); `decode_select(packed=...)` on them (one program, or split) gives the
+    reference's kept keys and counts, mass and C_ref within STATE_TOL, O_ref exactly. Under
+    the interpreter it equals, bit for bit, `decode_select` over the Triton reader's copy
+    with the same scores and lse."""
+    case = _packed_case(11, [150, 100, 80], ["mixed", "sealed", "open"], PACKED_ROWS, 4, 2, 16, dtype)
+    n, heads, dim = case.q.shape
+    scored = [i for i in range(n) if i != 2]
+    score_rows = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+    score_rows[scored] = torch.arange(len(scored), dtype=torch.int32, device=DEVICE)
+    kept = {}
+    for name in ("triton", "reference"):
+        kept[name] = torch.full((len(scored) + 1, heads, MAX_CONTEXT), -7.0, device=DEVICE)
+        kept[name + " out"] = packed_attention(*case.args(), return_lse=True, num_splits=3, scores=kept[name],
+                                               score_rows=score_rows, use_triton=name == "triton")
+    plain, plain_lse = packed_attention(*case.args(), return_lse=True, num_splits=3)
+    dense, lse = kept["triton out"]
+    assert torch.equal(dense, plain) and torch.equal(lse, plain_lse)
+    scores = kept["triton"]
+    assert (scores[-1] == -7).all(), "a row without a scores row wrote one"
+    for r, i in enumerate(scored):
+        pos = PACKED_ROWS[i][2]
+        assert (scores[r, :, pos + 1:] == -7).all()
+        _close(scores[r, :, : pos + 1], kept["reference"][r, :, : pos + 1], STATE_TOL[dtype])
+    at = torch.tensor(scored, device=DEVICE)
+    packed = PackedRows(case.packed, case.cell[at], case.depth[at])
+    slots = torch.randperm(n + 2, generator=torch.Generator().manual_seed(13))[: len(scored)].to(DEVICE)
+    rows = (case.position[at], case.table_offset[at], case.page_size, 0.1)
+    capacity = key_budget(MAX_CONTEXT, 0.1)
+    want, got, copy = (SlotState.zeros(n + 2, heads, dim, capacity, device=DEVICE) for _ in range(3))
+    decode_source(case.q[at], case.k_tail, case.v_tail, case.tables, *rows, dense=dense[at], slots=slots,
+                  state=want, max_context=MAX_CONTEXT, use_triton=False, packed=packed)
+    decode_select(case.v_tail, case.tables, *rows, dense=dense[at], lse=lse[at].contiguous(), scores=scores,
+                  slots=slots, state=got, max_context=MAX_CONTEXT, blocks=blocks, k_cache=case.k_tail, packed=packed)
+    assert torch.equal(got.count, want.count)
+    for k, i in enumerate(scored):
+        slot, b = int(slots[k]), key_budget(PACKED_ROWS[i][2] + 1, 0.1)
+        assert int(got.count[slot]) == b
+        assert torch.equal(got.keys[slot, :, :b], want.keys[slot, :, :b]), i
+    _close(got.mass, want.mass, STATE_TOL[dtype])
+    _close(got.c_ref, want.c_ref, STATE_TOL[dtype])
+    assert torch.equal(got.o_ref, want.o_ref)
+    keys = -(-(max(p for _, _, p in PACKED_ROWS) + 1) // case.page_size) * case.page_size
+    _k, v, tables, offsets = _read_copy(case, keys)
+    decode_select(v, tables, case.position[at], offsets[at], case.page_size, 0.1, dense=dense[at],
+                  lse=lse[at].contiguous(), scores=scores, slots=slots, state=copy, max_context=MAX_CONTEXT,
+                  blocks=blocks)
+    for field in SLOT_FIELDS:
+        if DEVICE == "cpu":
+            assert torch.equal(getattr(got, field), getattr(copy, field)), field
+        elif field in ("mass", "c_ref"):
+            _close(getattr(got, field), getattr(copy, field), STATE_TOL[dtype])
 
 
 def test_the_split_select_breaks_ties_across_splits():

@@ -69,7 +69,9 @@ for keys no pair reads sealed and the exact ones 0 for keys no pair reads exact,
 product never meets storage no pair of the tile reads. `read_keys` exposes a one-row
 tile's gather (`_key_block`), so tests check the kernel's reconstruction bit for bit.
 Split-KV (`num_splits`) gives each split an equal share of the tile's keys and combines
-each row's partial outputs by their lse, as `paged_attention` does.
+each row's partial outputs by their lse, as `paged_attention` does. With `scores` /
+`score_rows` (STORE_SCORES) a row with a scores row also stores its scaled scores of keys
+0..pos there, as `paged_attention` does, for sparse decode's loop-2 select.
 
 Precision: the gathered K/V tiles hold DT values (fp32 registers in the decode, DT for the
 products); QK and PV run on tensor cores in DT with fp32 accumulation, the probabilities
@@ -349,13 +351,14 @@ _INDEX_POINTERS = ["tables_ptr", "cell_ptr", "depth_ptr", "position_ptr", "table
 def _attention_kernel(
     q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
     v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
-    tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
-    num_heads, num_kv_heads, max_groups, max_len, scale, splits,
+    stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale, splits,
     PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr,
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
+    STORE_SCORES: tl.constexpr,
 ):
     first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
     kv_head = tl.program_id(1)
@@ -369,6 +372,10 @@ def _attention_kernel(
     lane_ok = (pos >= 0) & (g < GQA)
     context = tl.max(pos, axis=0) + 1
     if context > 0:
+        if STORE_SCORES:  # each row's scores row, -1 for none
+            score_at = tl.load(score_rows_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int64)
+            score_row = scores_ptr + score_at * stride_sr + (kv_head * GQA + g) * stride_sh
+            score_ok = lane_ok & (score_at >= 0)
         cell = tl.load(cell_ptr + first).to(tl.int64)  # the tile's rows share cell and depth
         depth = tl.load(depth_ptr + first).to(tl.int32)
         dtype = k_tail_ptr.dtype.element_ty
@@ -416,6 +423,9 @@ def _attention_kernel(
                 s = tl.where(sealed, _dot(q, tl.trans(k_hat), DOT_FP32), _dot(q, tl.trans(k_ex), DOT_FP32))
             else:
                 s = _dot(q, tl.trans(tl.where(recon[:, None], k_hat, k_ex)), DOT_FP32)
+            if STORE_SCORES:  # never past a scores row
+                keep = seen & (j < score_keys)[None, :] & score_ok[:, None]
+                tl.store(score_row[:, None] + j[None, :], s * scale, mask=keep)
             s = tl.where(seen, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
@@ -561,6 +571,17 @@ def _check_tiles(tiles: torch.Tensor | None, tile_rows: int | None) -> int:
     return tile_rows
 
 
+def _check_scores(scores: torch.Tensor | None, score_rows: torch.Tensor | None, n: int, num_heads: int) -> bool:
+    """Whether a launch keeps scores (`scores` fp32 [R, Hq, keys], `score_rows` [N] int)."""
+    if scores is None:
+        return False
+    assert (scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[1] == num_heads
+            and scores.stride(2) == 1), "scores: fp32 [rows, Hq, keys]"
+    assert (score_rows is not None and score_rows.shape == (n,) and score_rows.is_contiguous()
+            and not score_rows.is_floating_point()), "score_rows: [N] ints"
+    return True
+
+
 def packed_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Split-KV for the packed reader: `choose_splits`, then more splits (up to 64, none
     under 512 keys) while the grid stays within 8 waves of the GPU. Its per-key cost is
@@ -577,7 +598,9 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
                             position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
                             tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
-                            block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
+                            scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
     combine when split; no host sync (tiles are not checked against the rows: the reference
     checks them)."""
@@ -605,15 +628,18 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     lse_stride = lse.stride(0) if lse is not None else 0
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
     bg = triton.next_power_of_2(gqa)
+    store_scores = _check_scores(scores, score_rows, n, num_heads)
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse,
+        scores if store_scores else out, score_rows if store_scores else position,
         q.stride(0), q.stride(1), k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1),
-        out.stride(0), out.stride(1), lse_stride,
+        out.stride(0), out.stride(1), lse_stride, scores.stride(0) if store_scores else 0,
+        scores.stride(1) if store_scores else 0, scores.shape[2] if store_scores else 0,
         num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5, num_splits,
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
         BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
-        enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}),
+        STORE_SCORES=store_scores, enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}),
         **common,
     )
     if num_splits > 1:
@@ -725,15 +751,17 @@ def packed_attention_reference(q: torch.Tensor, k_tail: torch.Tensor, v_tail: to
                                position: torch.Tensor, table_offset: torch.Tensor, *,
                                tiles: torch.Tensor | None = None, tile_rows: int | None = None,
                                return_lse: bool = False, num_splits: int = 1, block_n: int = 32,
-                               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               out: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+                               score_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The same, row by row in plain PyTorch: `row_keys`, then fp32 scores, softmax and
     weighted sum (fp64 for fp64 inputs, which only the reference takes; num_splits and
     block_n only shape the kernel's work and are ignored here). With `tiles`, only the rows
     they cover (the tiles checked by `tile_rows_covered`); tiles shape nothing else.
     Padding rows (negative position) and rows no tile covers are left as `out` had them
-    (zeros when new; lse -inf)."""
+    (zeros when new; lse -inf); so are their scores rows."""
     _check(q, k_tail, v_tail, tables, packed, (cell, depth, position, table_offset), REFERENCE_DTYPES)
     n, num_heads, head_dim = q.shape
+    score_at = score_rows.tolist() if _check_scores(scores, score_rows, n, num_heads) else [-1] * n
     covered = [True] * n if tiles is None else tile_rows_covered(tiles, tile_rows, cell, depth, table_offset).tolist()
     gqa = num_heads // k_tail.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -745,9 +773,12 @@ def packed_attention_reference(q: torch.Tensor, k_tail: torch.Tensor, v_tail: to
         k, v = row_keys(k_tail, v_tail, tables, page_size, packed, c, d, pos, off)
         k = k.to(compute).repeat_interleave(gqa, dim=1)  # [L, Hq, D]
         v = v.to(compute).repeat_interleave(gqa, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[i].to(compute), k) * head_dim ** -0.5
-        lse[i] = torch.logsumexp(scores, dim=-1).float()
-        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+        s = torch.einsum("hd,lhd->hl", q[i].to(compute), k) * head_dim ** -0.5
+        lse[i] = torch.logsumexp(s, dim=-1).float()
+        out[i] = torch.einsum("hl,lhd->hd", s.softmax(-1), v).to(q.dtype)
+        if score_at[i] >= 0:
+            keys = min(pos + 1, scores.shape[2])
+            scores[score_at[i], :, :keys] = s[:, :keys].float()
     return out, (lse if return_lse else None)
 
 
@@ -765,15 +796,21 @@ def packed_attention(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor
                      page_size: int, packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor,
                      position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
                      tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
-                     block_n: int = 32, out: torch.Tensor | None = None,
+                     block_n: int = 32, out: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+                     score_rows: torch.Tensor | None = None,
                      use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out [N, Hq, D] (q's dtype) and, with return_lse, lse [N, Hq] fp32: each row's
     attention over keys 0..position as the read rule gives them (module docstring); with
     `tiles` [M, 3] (first row, rows, table offset) only the rows they cover, each tile's
-    rows sharing its key blocks (at most `tile_rows` rows of one cell, depth and table)."""
+    rows sharing its key blocks (at most `tile_rows` rows of one cell, depth and table).
+    With `scores` (fp32 [R, Hq, keys]) and `score_rows` ([N] int, -1 for none), row i's
+    scaled scores q . k / sqrt(D) of keys 0..pos (below `keys`) also go to
+    scores[score_rows[i]], as `paged_attention` keeps them (sparse decode's loop-2 select
+    reads them: no second read of the packed keys)."""
     fn = packed_attention_triton if _use_triton(q, use_triton) else packed_attention_reference
     return fn(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset, tiles=tiles,
-              tile_rows=tile_rows, return_lse=return_lse, num_splits=num_splits, block_n=block_n, out=out)
+              tile_rows=tile_rows, return_lse=return_lse, num_splits=num_splits, block_n=block_n, out=out,
+              scores=scores, score_rows=score_rows)
 
 
 def read_keys(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, packed: PackedKV,

@@ -140,8 +140,10 @@ scores kernel over keys 0..pos, the select's V sums and the correction on the ke
 positions alone), launched without FMA contraction like that reader so the reconstruction
 rounds the same way; the scores kernel decodes K alone, the V sums V alone. The
 references read the rows' keys into a paged copy
-(`read_keys_reference`) and run from it. `decode_select` (scores kept by a dense launch)
-and the split select take a paged pool only: the packed reader keeps no scores.
+(`read_keys_reference`) and run from it. `decode_select` takes `packed` too: the packed
+reader keeps the source rows' scores and lse as the paged kernel does
+(`packed_attention(..., scores=, score_rows=)`), and the select (one program or split)
+sums V of the kept keys from the planes.
 
 Not done: the one-program select has Hq
 programs per row, so at batch 1 it runs on 16 of 132 SMs, its passes bound by latency
@@ -625,13 +627,13 @@ def _kept_sums_packed(
     k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
     row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr, first=0,
 ):
     """`_kept_sums` over INT4 residual planes: V of each kept key as the row at `pos` reads
     it (`_key_block`)."""
     mass = tl.zeros([BLOCK_V], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(0, b, BLOCK_V):
+    for start in range(first, b, BLOCK_V):
         i = start + tl.arange(0, BLOCK_V)
         ok = i < b
         j = tl.load(keys_row + i, mask=ok, other=0, cache_modifier=".cg")  # written by this program
@@ -855,13 +857,18 @@ def _split_write_kernel(
 def _split_gather_kernel(
     scratch_ptr, v_ptr, tables_ptr, positions_ptr, offsets_ptr, slots_ptr, lse_ptr, part_ptr, keys_ptr,
     stride_xr, stride_xh, stride_vs, stride_vh, stride_ln, num_heads, capacity, max_context, num, den, splits,
+    k_ptr, stride_ks, stride_kh,
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+    row_maps_ptr, cell_ptr, depth_ptr, max_groups, max_len,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, PACKED: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
 ):
     """Per (row, head, split): m and C_ref summed over the split's share of the b kept
     entries (shares of the kept list, not of the keys: kept keys bunched in a few key
     ranges, as recent keys and sinks are, still spread over every split) into its partial
-    [1 + D]."""
+    [1 + D]. PACKED: V of the kept keys from INT4 residual planes (k / v their tails), as
+    the row reads it."""
     row, head, split, pos, n, b = _split_program(positions_ptr, max_context, num, den)
     lo, hi = _split_share(b, split, splits, BLOCK_V)
     if lo < hi:
@@ -870,8 +877,16 @@ def _split_gather_kernel(
         keys_row = keys_ptr + (slot * num_heads + head) * capacity
         x_row = scratch_ptr + row * stride_xr + head * stride_xh
         table = tl.load(offsets_ptr + row).to(tl.int64)
-        mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs, stride_vh,
-                                 n, lse, hi, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D, first=lo)
+        if PACKED:
+            mass, c_ref = _kept_sums_packed(
+                x_row, keys_row, n, lse, hi, pos.to(tl.int32), tl.load(cell_ptr + row).to(tl.int64),
+                tl.load(depth_ptr + row).to(tl.int32), table, head // GROUP, k_ptr, v_ptr, tables_ptr, k_codes_ptr,
+                k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr,
+                stride_ks, stride_kh, stride_vs, stride_vh, num_heads // GROUP, max_groups, max_len, PAGE_SIZE,
+                HEAD_DIM, BLOCK_V, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, first=lo)
+        else:
+            mass, c_ref = _kept_sums(x_row, keys_row, v_ptr, tables_ptr, table, head // GROUP, stride_vs,
+                                     stride_vh, n, lse, hi, PAGE_SIZE, HEAD_DIM, BLOCK_V, BLOCK_D, first=lo)
         part = part_ptr + ((row * num_heads + head) * splits + split) * (1 + HEAD_DIM)
         d = tl.arange(0, BLOCK_D)
         tl.store(part, mass)
@@ -1149,12 +1164,15 @@ def source_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def decode_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                   table_offsets: torch.Tensor, page_size: int, key_retention: float, *, dense: torch.Tensor,
                   lse: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, state: SlotState,
-                  max_context: int, blocks: Blocks = Blocks()) -> None:
+                  max_context: int, blocks: Blocks = Blocks(), k_cache: torch.Tensor | None = None,
+                  packed: PackedRows | None = None) -> None:
     """Loop-2 state from a dense launch that kept the rows' scores and lse (Triton only):
-    `paged_attention(..., scores=scores, score_rows=..., return_lse=True)` stored row i's
-    scaled scores in scores[i] (i-th row here) and gave `lse` [N, Hq] and `dense`; this runs
-    the select kernel alone, which is `decode_source` without its scores kernel and lse pass.
-    scores [>= N, Hq, >= max_context] fp32; the rest as `decode_source`."""
+    `paged_attention(..., scores=scores, score_rows=..., return_lse=True)` (or
+    `packed_attention`'s) stored row i's scaled scores in scores[i] (i-th row here) and gave
+    `lse` [N, Hq] and `dense`; this runs the select kernel alone, which is `decode_source`
+    without its scores kernel and lse pass. scores [>= N, Hq, >= max_context] fp32; the rest
+    as `decode_source`. `packed` (with the K tail `k_cache`): V of the kept keys from INT4
+    residual planes, as each row reads it."""
     n, num_heads, head_dim = dense.shape
     assert positions.shape == table_offsets.shape == slots.shape == (n,), "positions, table offsets, slots: [N]"
     assert lse.shape == (n, num_heads) and lse.dtype == torch.float32 and lse.stride(1) == 1, "lse: fp32 [N, Hq]"
@@ -1170,10 +1188,10 @@ def decode_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.
                                                    blocks.split_select)
     if splits == 1:
         _launch_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, slots, state,
-                       scores, 0, n, max_context, blocks, lse=lse)
+                       scores, 0, n, max_context, blocks, lse=lse, k_cache=k_cache, packed=packed)
     else:
         _launch_split_select(v_cache, tables, positions, table_offsets, page_size, key_retention, dense, lse,
-                             scores, slots, state, max_context, splits, blocks)
+                             scores, slots, state, max_context, splits, blocks, k_cache, packed)
 
 
 def _check_blocks(blocks: Blocks) -> None:
@@ -1186,11 +1204,12 @@ def _check_blocks(blocks: Blocks) -> None:
 def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                          table_offsets: torch.Tensor, page_size: int, key_retention: float, dense: torch.Tensor,
                          lse: torch.Tensor, scores: torch.Tensor, slots: torch.Tensor, state: SlotState,
-                         max_context: int, splits: int, blocks: Blocks) -> None:
+                         max_context: int, splits: int, blocks: Blocks, k_cache: torch.Tensor | None = None,
+                         packed: PackedRows | None = None) -> None:
     """The select split over `splits` programs per (row, head): one histogram launch per
     digit, the kept and tied counts per split, the kept keys, their partial sums over
-    shares of the kept list, and the finish (no host sync; a fixed launch sequence for
-    fixed shapes)."""
+    shares of the kept list (`packed`: V from INT4 residual planes), and the finish (no
+    host sync; a fixed launch sequence for fixed shapes)."""
     n, num_heads, head_dim = dense.shape
     num, den = retention_fraction(key_retention)
     bins = 1 << blocks.radix_bits
@@ -1213,10 +1232,14 @@ def _launch_split_select(v_cache: torch.Tensor, tables: torch.Tensor, positions:
                               BLOCK_S=blocks.split_select, BLOCK_P=block_p, RADIX_BITS=blocks.radix_bits,
                               num_warps=blocks.select_warps)
     shape = _shape(num_heads, v_cache, page_size)
+    planes, extra = packed.kernel_args(n, head_dim) if packed is not None else PackedRows.no_args(positions)
+    k_cache = v_cache if k_cache is None else k_cache
     _split_gather_kernel[grid](scores, v_cache, tables, positions, table_offsets, slots, lse, part, state.keys,
                                *common, v_cache.stride(0), v_cache.stride(1), lse.stride(0), num_heads,
-                               state.keys.shape[2], max_context, num, den, splits, BLOCK_V=blocks.gather, **shape,
-                               num_warps=blocks.select_warps)
+                               state.keys.shape[2], max_context, num, den, splits, k_cache, k_cache.stride(0),
+                               k_cache.stride(1), *planes, BLOCK_V=blocks.gather,
+                               BF16_BY_HAND=_INTERPRET and dense.dtype == torch.bfloat16, **shape,
+                               num_warps=blocks.select_warps, **extra)
     _split_finish_kernel[(n, num_heads)](positions, slots, dense, part, state.count, state.mass, state.o_ref,
                                          state.c_ref, dense.stride(0), dense.stride(1), num_heads, max_context, num,
                                          den, splits, HEAD_DIM=head_dim, BLOCK_D=shape["BLOCK_D"],

@@ -248,7 +248,7 @@ class TritonAttention:
             if splits is None:
                 splits = packed_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
             return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                              readers, lp.table_offsets, _Sparse.of(lp, keep))
+                              readers, lp.table_offsets, self._keep_scores(_Sparse.of(lp, keep), lp.positions.shape[0]))
         if splits is None:  # eager: from this call's tiles and longest context
             splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
@@ -277,18 +277,21 @@ class TritonAttention:
         if res is not None:  # encode the pass's ready groups, then read each key exact or packed
             store = self.residuals
             store.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
-
-            out = packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
-                                   store.layer_view(layer), res.cells, res.depths, res.positions, meta.table_offsets,
-                                   num_splits=meta.num_splits, tiles=meta.tiles, tile_rows=meta.tile_rows, out=out)[0]
-            kept = None
+        # the loop-2 sources' scores and lse, kept by the dense launch when the scratch holds them all
+        scores = meta.sparse.scores if meta.sparse is not None else None
+        score_rows = meta.sparse.score_rows if scores is not None else None
+        if res is not None:
+            out, lse = packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
+                                        store.layer_view(layer), res.cells, res.depths, res.positions,
+                                        meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
+                                        tile_rows=meta.tile_rows, out=out, return_lse=scores is not None,
+                                        scores=scores, score_rows=score_rows)
         else:
-            scores = meta.sparse.scores if meta.sparse is not None else None
             out, lse = paged_attention(q, self.kv.k[layer], self.kv.v[layer], meta.tables, meta.positions,
                                        meta.tiles, self.kv.page_size, tile_rows=meta.tile_rows,
                                        num_splits=meta.num_splits, out=out, return_lse=scores is not None,
-                                       scores=scores, score_rows=meta.sparse.score_rows if scores is not None else None)
-            kept = KeptScores(scores, lse) if scores is not None else None
+                                       scores=scores, score_rows=score_rows)
+        kept = KeptScores(scores, lse) if scores is not None else None
         return _sparse_decode(self, layer, q, out, meta.sparse, use_triton=True, kept=kept)
 
 

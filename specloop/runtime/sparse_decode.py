@@ -30,7 +30,8 @@ write nothing, and the scores scratch has a fixed address.
 With INT4 residual planes the source and correction read each key as the row reads it
 (exact from the BF16 tail or reconstructed from the packed planes, by the read rule),
 straight from the planes (`plane_reader`: the kernels run the packed reader's own gather,
-the correction on its kept positions alone); no copy of the keys is made.
+the select's V sums and the correction on the kept positions alone); no copy of the keys is
+made, and the packed reader keeps the sources' scores and lse like the paged kernel.
 """
 
 from __future__ import annotations
@@ -200,10 +201,10 @@ class DecodeReferences:
         slots, at, run, mark = rows.memo["source"]
         k_cache, v_cache, tables, offsets, page_size, packed = read(r)
         dense = rows.pick(out, r).contiguous()
-        if kept is not None:  # (a paged pool's: the packed reader keeps no scores)
+        if kept is not None:
             decode_select(v_cache, tables, at, offsets, page_size, self.key_retention, dense=dense,
                           lse=rows.pick(kept.lse, r).contiguous(), scores=kept.scores, slots=slots,
-                          state=self.layer(layer), max_context=context)
+                          state=self.layer(layer), max_context=context, k_cache=k_cache, packed=packed)
         else:
             decode_source(rows.pick(q, r).contiguous(), k_cache, v_cache, tables, at, offsets, page_size,
                           self.key_retention, dense=dense, slots=slots, state=self.layer(layer), max_context=context,
