@@ -12,7 +12,9 @@
 # graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
-# the packed reader's kernel tests and its engine and graph-replay tests only; PART=sparse-decode
+# the packed reader's kernel tests and its engine and graph-replay tests only; PART=packed-sparse
+# sparse decode over INT4 planes (kernel tests, no-sync, the matrix's INT4 sparse graph cells,
+# all three's batch-1 8K profile, TAG a suffix of its json); PART=sparse-decode
 # the sparse decode kernels' and engine's GPU tests, the no-sync cases, the feature matrix's graph
 # cells (greedy, fp32 and bf16) and bench/sparse_decode_kernels.py; PART=sparse-tune the matrix's bf16 graph cells and
 # the sparse decode kernels cold (--layers 8) with variants (SPLITS, CORRECTIONS); PART=flashloop-speed bench/flashloop_speed.py (SPEC,
@@ -81,6 +83,17 @@ if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine
   TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py
   TAIL=12 step 300 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py -k "graph and ${CELLS:-greedy}"
   TAIL=12 step 100 python bench/sparse_decode_kernels.py --reps 10 --out "$OUT/sparse_decode_kernels_h200.json"
+  exit 0
+fi
+if [ "$PART" = packed-sparse ]; then  # sparse decode over INT4 planes: kernels, no-sync, matrix INT4 cells, profile
+  TAIL=6 step 120 python -m pytest -q -rf --tb=line -n 8 -p xdist tests/test_kernels_packed_attention.py \
+    tests/test_kernels_sparse_decode.py
+  TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_no_sync.py -k "sparse or int4"
+  TAIL=30 step 200 python -m pytest -q -rf --tb=line -s tests/test_flashloop_matrix.py -k "graph and decode and int4"
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  TAIL=30 step 120 python bench/profile_decode.py --model /tmp/ouro14 --prompt 8192 --batches 1 --steps 20 \
+    --max-model-len 33024 --top 20 --sparse-decode-attention '{}' --kv-residual-quantization '{}' \
+    --token-sparse-prefill '{}' --out "$OUT/profile_decode_all_8k_${TAG:-kept}_h200.json"
   exit 0
 fi
 if [ "$PART" = sparse-tune ]; then  # the matrix's bf16 graph cells; the sparse decode kernels cold (8 layers), variants
