@@ -538,6 +538,39 @@ def test_tiles_match_reference(shape, dtype, splits):
     torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
 
 
+def test_tiles_keep_scores():
+    """STORE_SCORES over query tiles (straddling seals, padding lanes of GQA 3, padding
+    tiles, 3 splits): each scored row's scaled scores of keys 0..pos, within LSE_TOLERANCE
+    of the reference's, clipped to the scores rows' 128 keys; nothing past a row's position
+    or outside its scores row is written (guard rows on both sides of the scores); the
+    output and lse are bit for bit those of a launch that keeps none."""
+    dtype, tile_rows = torch.bfloat16, 4
+    case = _case(21, [150, 100, 80], ["mixed", "sealed", "open"], _tiled_rows(), 6, 2, 16, dtype)
+    tiles = _cut(case, tile_rows)
+    assert "straddle" in _tile_reads(case, tiles)
+    n = case.q.shape[0]
+    scored = list(range(0, n, 2))
+    score_rows = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+    score_rows[scored] = torch.arange(len(scored), dtype=torch.int32, device=DEVICE)
+    kernel = dict(tiles=tiles, tile_rows=tile_rows, return_lse=True, num_splits=3)
+    plain, plain_lse = packed_attention_triton(*case.args(), **kernel)
+    kept = {}
+    for name in ("triton", "reference"):
+        guarded = torch.full((len(scored) + 2, 6, 128), -7.0, device=DEVICE)
+        fn = packed_attention_triton if name == "triton" else packed_attention_reference
+        kept[name] = guarded, fn(*case.args(), **kernel, scores=guarded[1:-1], score_rows=score_rows)
+    guarded, (out, lse) = kept["triton"]
+    assert torch.equal(out, plain) and torch.equal(lse, plain_lse)
+    assert (guarded[0] == -7).all() and (guarded[-1] == -7).all(), "a row wrote outside its scores row"
+    want = kept["reference"][0]
+    for r, i in enumerate(scored, start=1):
+        keys = min(int(case.position[i]) + 1, 128)
+        assert (guarded[r, :, keys:] == -7).all()
+        torch.testing.assert_close(guarded[r, :, :keys], want[r, :, :keys], atol=LSE_TOLERANCE[dtype],
+                                   rtol=LSE_TOLERANCE[dtype])
+    assert any(int(case.position[i]) + 1 > 128 for i in scored)  # some rows clipped
+
+
 @pytest.mark.parametrize("dtype", TILE_POISON_DTYPES)
 def test_nothing_a_tile_does_not_read_reaches_it(dtype):
     """Per tile: NaN / garbage everywhere no (query, key) pair of its rows reads; the kernel

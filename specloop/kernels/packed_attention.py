@@ -347,7 +347,9 @@ def _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES: tl.constexpr):
 _INDEX_POINTERS = ["tables_ptr", "cell_ptr", "depth_ptr", "position_ptr", "table_offset_ptr", "tiles_ptr"]
 
 
-@triton.jit(do_not_specialize=["splits"], do_not_specialize_on_alignment=_INDEX_POINTERS)
+# (score_rows_ptr is the positions array itself in a launch that keeps no scores)
+@triton.jit(do_not_specialize=["splits"],
+            do_not_specialize_on_alignment=_INDEX_POINTERS + ["scores_ptr", "score_rows_ptr"])
 def _attention_kernel(
     q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
     v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,

@@ -270,6 +270,8 @@ class TritonAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         self.kv.write(layer, meta.write_slots, k, v, meta.keep)
         res = meta.residual
+        # the sparse rows' kept scores and their kernels' V must come from one read of the keys
+        assert meta.sparse is None or (res is None) == (self.residuals is None), "sparse rows without the planes"
         # Sparse decode correction rows are not in the tiles: zeros until the correction step
         # writes them, never uninitialised memory (exited rows keep them).
         corrects = meta.sparse is not None and meta.sparse.rows.correction.numel() > 0  # (a graph's: always)
