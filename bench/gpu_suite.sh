@@ -14,7 +14,8 @@
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
 # the packed reader's kernel tests and its engine and graph-replay tests only; PART=packed-sparse
 # sparse decode over INT4 planes (kernel tests, no-sync, the matrix's INT4 sparse graph cells,
-# all three's batch-1 8K profile, TAG a suffix of its json); PART=sparse-decode
+# all three's batch-1 8K profile and its batch-1 speed at 8K / 32K with and without block
+# rounds, TAG a suffix of the jsons); PART=sparse-decode
 # the sparse decode kernels' and engine's GPU tests, the no-sync cases, the feature matrix's graph
 # cells (greedy, fp32 and bf16) and bench/sparse_decode_kernels.py; PART=sparse-tune the matrix's bf16 graph cells and
 # the sparse decode kernels cold (--layers 8) with variants (SPLITS, CORRECTIONS); PART=flashloop-speed bench/flashloop_speed.py (SPEC,
@@ -94,6 +95,9 @@ if [ "$PART" = packed-sparse ]; then  # sparse decode over INT4 planes: kernels,
   TAIL=30 step 120 python bench/profile_decode.py --model /tmp/ouro14 --prompt 8192 --batches 1 --steps 20 \
     --max-model-len 33024 --top 20 --sparse-decode-attention '{}' --kv-residual-quantization '{}' \
     --token-sparse-prefill '{}' --out "$OUT/profile_decode_all_8k_${TAG:-kept}_h200.json"
+  TAIL=12 step 200 python bench/flashloop_speed.py --model /tmp/ouro14 --speculation none,block --variants all \
+    --cases 1x8192,1x32768 --max-model-len 33024 --decode-tokens 32 \
+    --out "$OUT/flashloop_speed_none-block_all_b1_${TAG:-kept}_h200.json"
   exit 0
 fi
 if [ "$PART" = sparse-tune ]; then  # the matrix's bf16 graph cells; the sparse decode kernels cold (8 layers), variants
