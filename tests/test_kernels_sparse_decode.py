@@ -369,6 +369,31 @@ PACKED_CASES = [(torch.float32, Blocks()), (torch.bfloat16, SMALL)] + (
 PACKED_ROWS = [(0, 1, 149), (0, 1, 120), (1, 1, 99), (2, 1, 79), (1, 1, 40), (0, 1, 63), (2, 1, 0)]
 
 
+def _packed_states_agree(got: SlotState, want: SlotState, slots: torch.Tensor, positions: list[int],
+                         dtype: torch.dtype) -> None:
+    """Rows at `positions` in `slots`: equal counts (each row's budget) and kept keys, mass and
+    C_ref within STATE_TOL, O_ref exactly."""
+    assert torch.equal(got.count, want.count)
+    for k, pos in enumerate(positions):
+        slot, b = int(slots[k]), key_budget(pos + 1, 0.1)
+        assert int(got.count[slot]) == b
+        assert torch.equal(got.keys[slot, :, :b], want.keys[slot, :, :b]), k
+    _close(got.mass, want.mass, STATE_TOL[dtype])
+    _close(got.c_ref, want.c_ref, STATE_TOL[dtype])
+    assert torch.equal(got.o_ref, want.o_ref)
+
+
+def _same_as_the_copy(got: SlotState, copy: SlotState, dtype: torch.dtype) -> None:
+    """The packed kernels' state against the plain kernels' over the reader's copy: bit for
+    bit under the interpreter; on the GPU (the packed launches round without FMA) mass and
+    C_ref within STATE_TOL."""
+    for field in SLOT_FIELDS:
+        if DEVICE == "cpu":
+            assert torch.equal(getattr(got, field), getattr(copy, field)), field
+        elif field in ("mass", "c_ref"):
+            _close(getattr(got, field), getattr(copy, field), STATE_TOL[dtype])
+
+
 def _read_copy(case, keys: int) -> tuple:
     """The Triton reader's copy of the packed case's rows' keys 0..`keys`-1, as a paged pool
     of its own: K, V, tables, offsets."""
@@ -406,24 +431,13 @@ def test_source_reads_packed_planes_as_the_rows_read_them(dtype, blocks):
             source_triton(*args, dense=dense, slots=slots, state=states[name], max_context=MAX_CONTEXT,
                           blocks=blocks, packed=packed)
     got, want = states["packed"], states["reference"]
-    assert torch.equal(got.count, want.count)
-    for i in range(n):
-        slot, b = int(slots[i]), int(want.count[int(slots[i])])
-        assert b == key_budget(PACKED_ROWS[i][2] + 1, 0.1)
-        assert torch.equal(got.keys[slot, :, :b], want.keys[slot, :, :b]), i
-    _close(got.mass, want.mass, STATE_TOL[dtype])
-    _close(got.c_ref, want.c_ref, STATE_TOL[dtype])
-    assert torch.equal(got.o_ref, want.o_ref)
+    _packed_states_agree(got, want, slots, [p for _, _, p in PACKED_ROWS], dtype)
     keys = -(-(max(p for _, _, p in PACKED_ROWS) + 1) // case.page_size) * case.page_size
     k, v, tables, offsets = _read_copy(case, keys)
     plain = SlotState.zeros(n + 2, heads, dim, capacity, device=DEVICE)
     source_triton(case.q, k, v, tables, case.position, offsets, case.page_size, 0.1, dense=dense, slots=slots,
                   state=plain, max_context=MAX_CONTEXT, blocks=blocks)
-    for field in SLOT_FIELDS:
-        if DEVICE == "cpu":
-            assert torch.equal(getattr(got, field), getattr(plain, field)), field
-        elif field in ("mass", "c_ref"):
-            _close(getattr(got, field), getattr(plain, field), STATE_TOL[dtype])
+    _same_as_the_copy(got, plain, dtype)
 
 
 @pytest.mark.parametrize("dtype, blocks", PACKED_CASES)
@@ -531,24 +545,13 @@ def test_packed_launch_keeps_scores_for_the_select(dtype, blocks):
                   state=want, max_context=MAX_CONTEXT, use_triton=False, packed=packed)
     decode_select(case.v_tail, case.tables, *rows, dense=dense[at], lse=lse[at].contiguous(), scores=scores,
                   slots=slots, state=got, max_context=MAX_CONTEXT, blocks=blocks, k_cache=case.k_tail, packed=packed)
-    assert torch.equal(got.count, want.count)
-    for k, i in enumerate(scored):
-        slot, b = int(slots[k]), key_budget(PACKED_ROWS[i][2] + 1, 0.1)
-        assert int(got.count[slot]) == b
-        assert torch.equal(got.keys[slot, :, :b], want.keys[slot, :, :b]), i
-    _close(got.mass, want.mass, STATE_TOL[dtype])
-    _close(got.c_ref, want.c_ref, STATE_TOL[dtype])
-    assert torch.equal(got.o_ref, want.o_ref)
+    _packed_states_agree(got, want, slots, [PACKED_ROWS[i][2] for i in scored], dtype)
     keys = -(-(max(p for _, _, p in PACKED_ROWS) + 1) // case.page_size) * case.page_size
     _k, v, tables, offsets = _read_copy(case, keys)
     decode_select(v, tables, case.position[at], offsets[at], case.page_size, 0.1, dense=dense[at],
                   lse=lse[at].contiguous(), scores=scores, slots=slots, state=copy, max_context=MAX_CONTEXT,
                   blocks=blocks)
-    for field in SLOT_FIELDS:
-        if DEVICE == "cpu":
-            assert torch.equal(getattr(got, field), getattr(copy, field)), field
-        elif field in ("mass", "c_ref"):
-            _close(getattr(got, field), getattr(copy, field), STATE_TOL[dtype])
+    _same_as_the_copy(got, copy, dtype)
 
 
 def test_the_split_select_breaks_ties_across_splits():

@@ -108,7 +108,7 @@ from specloop.kernels import DTYPES
 from specloop.kernels import packed_rows
 from specloop.kernels.int4_groups import GROUP, PAIRS, KGroups, VGroups
 from specloop.kernels.packed_rows import NEVER
-from specloop.kernels.paged_attention import TILE_COLUMNS, choose_splits
+from specloop.kernels.paged_attention import TILE_COLUMNS, check_scores, choose_splits
 from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -573,17 +573,6 @@ def _check_tiles(tiles: torch.Tensor | None, tile_rows: int | None) -> int:
     return tile_rows
 
 
-def _check_scores(scores: torch.Tensor | None, score_rows: torch.Tensor | None, n: int, num_heads: int) -> bool:
-    """Whether a launch keeps scores (`scores` fp32 [R, Hq, keys], `score_rows` [N] int)."""
-    if scores is None:
-        return False
-    assert (scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[1] == num_heads
-            and scores.stride(2) == 1), "scores: fp32 [rows, Hq, keys]"
-    assert (score_rows is not None and score_rows.shape == (n,) and score_rows.is_contiguous()
-            and not score_rows.is_floating_point()), "score_rows: [N] ints"
-    return True
-
-
 def packed_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Split-KV for the packed reader: `choose_splits`, then more splits (up to 64, none
     under 512 keys) while the grid stays within 8 waves of the GPU. Its per-key cost is
@@ -630,7 +619,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     lse_stride = lse.stride(0) if lse is not None else 0
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
     bg = triton.next_power_of_2(gqa)
-    store_scores = _check_scores(scores, score_rows, n, num_heads)
+    store_scores = check_scores(scores, score_rows, n, num_heads)
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse,
         scores if store_scores else out, score_rows if store_scores else position,
@@ -763,7 +752,7 @@ def packed_attention_reference(q: torch.Tensor, k_tail: torch.Tensor, v_tail: to
     (zeros when new; lse -inf); so are their scores rows."""
     _check(q, k_tail, v_tail, tables, packed, (cell, depth, position, table_offset), REFERENCE_DTYPES)
     n, num_heads, head_dim = q.shape
-    score_at = score_rows.tolist() if _check_scores(scores, score_rows, n, num_heads) else [-1] * n
+    score_at = score_rows.tolist() if check_scores(scores, score_rows, n, num_heads) else [-1] * n
     covered = [True] * n if tiles is None else tile_rows_covered(tiles, tile_rows, cell, depth, table_offset).tolist()
     gqa = num_heads // k_tail.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)

@@ -178,6 +178,18 @@ def query_tiles(groups: Iterable[tuple[int, int, int]], tile_rows: int) -> list[
     return out
 
 
+def check_scores(scores: torch.Tensor | None, score_rows: torch.Tensor | None, n: int, num_heads: int) -> bool:
+    """Whether a launch over n rows keeps scores (`scores` fp32 [R, Hq, keys], `score_rows`
+    [N] int, -1 for none); asserts their layout (here and in `packed_attention`)."""
+    if scores is None:
+        return False
+    assert (scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[1] == num_heads
+            and scores.stride(2) == 1), "scores: fp32 [rows, Hq, keys]"
+    assert (score_rows is not None and score_rows.shape == (n,) and score_rows.is_contiguous()
+            and not score_rows.is_floating_point()), "score_rows: [N] ints"
+    return True
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     positions: torch.Tensor, tiles: torch.Tensor, page_size: int, *, tile_rows: int,
                     num_splits: int = 1, block_n: int = 64, return_lse: bool = False,
@@ -208,11 +220,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o = torch.empty(n * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(n * num_heads * num_splits, dtype=torch.float32, device=q.device)
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
-    store_scores = scores is not None
-    if store_scores:
-        assert (scores.dtype == torch.float32 and scores.dim() == 3 and scores.shape[1] == num_heads
-                and scores.stride(2) == 1), "scores: fp32 [rows, Hq, keys]"
-        assert score_rows is not None and score_rows.shape == (n,) and score_rows.is_contiguous(), "score_rows: [N]"
+    store_scores = check_scores(scores, score_rows, n, num_heads)
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, tables, positions, tiles, out, lse_arg, part_o, part_lse,
         scores if store_scores else out, score_rows if store_scores else positions,

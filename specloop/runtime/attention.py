@@ -243,16 +243,17 @@ class TritonAttention:
         assert lp.tiles is not None, "the forward batch was built without query tiles"
         splits = lp.num_splits
         longest = max((s.context for s in lp.groups), default=0)
+        sparse = self._keep_scores(_Sparse.of(lp, keep), lp.positions.shape[0])
         if lp.encode_plan is not None:  # the packed reader, over the same query tiles
             readers = _Readers(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
             if splits is None:
                 splits = packed_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
             return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                              readers, lp.table_offsets, self._keep_scores(_Sparse.of(lp, keep), lp.positions.shape[0]))
+                              readers, lp.table_offsets, sparse)
         if splits is None:  # eager: from this call's tiles and longest context
             splits = choose_splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                          sparse=self._keep_scores(_Sparse.of(lp, keep), lp.positions.shape[0]))
+                          sparse=sparse)
 
     def _keep_scores(self, sparse: _Sparse | None, n: int) -> _Sparse | None:
         """The pass's sparse rows, with the scratch view and score rows when the dense launch
@@ -276,13 +277,12 @@ class TritonAttention:
         # writes them, never uninitialised memory (exited rows keep them).
         corrects = meta.sparse is not None and meta.sparse.rows.correction.numel() > 0  # (a graph's: always)
         out = torch.zeros_like(q) if corrects else None
-        if res is not None:  # encode the pass's ready groups, then read each key exact or packed
-            store = self.residuals
-            store.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
         # the loop-2 sources' scores and lse, kept by the dense launch when the scratch holds them all
         scores = meta.sparse.scores if meta.sparse is not None else None
         score_rows = meta.sparse.score_rows if scores is not None else None
-        if res is not None:
+        if res is not None:  # encode the pass's ready groups, then read each key exact or packed
+            store = self.residuals
+            store.encode(layer, res.plan, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size)
             out, lse = packed_attention(q, self.kv.k[layer], self.kv.v[layer], res.tables, self.kv.page_size,
                                         store.layer_view(layer), res.cells, res.depths, res.positions,
                                         meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
