@@ -95,6 +95,8 @@ def main() -> None:
                         "acceptance against a target with the same cache representation)")
     p.add_argument("--sparse-decode-attention", default=None,
                    help="JSON group for every engine, likewise (acceptance against a sparse-decode target)")
+    p.add_argument("--token-sparse-prefill", default=None,
+                   help="JSON group for every engine, likewise (the prompts' loops 3-4 sparse on both sides)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (sparse decode needs it on CUDA)")
     args = p.parse_args()
     if args.plot:
@@ -113,7 +115,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     shared: dict = {"enforce_eager": True} if args.enforce_eager else {}
-    for name in ("kv_residual_quantization", "sparse_decode_attention"):
+    for name in ("token_sparse_prefill", "kv_residual_quantization", "sparse_decode_attention"):
         if getattr(args, name):
             shared[name] = getattr(args, name)
     plain = EngineCore(EngineConfig.from_kwargs(model, device=args.device, dtype=args.dtype, max_num_seqs=4,
@@ -173,6 +175,7 @@ def main() -> None:
               "prompts": {"count": len(prompts), "length": args.prompt_len,
                           "source": "random token ids" if traces_in else "held-out stdlib modules"},
               "max_tokens": args.max_tokens, "batch": 1,
+              "token_sparse_prefill": plain.stats().token_sparse_prefill,
               "kv_residual_quantization": plain.stats().kv_residual_quantization,
               "sparse_decode_attention": plain.stats().sparse_decode_attention, "cases": cases}
     if args.out:
