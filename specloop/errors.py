@@ -36,3 +36,8 @@ class RequestFailedError(SpecloopError):
 class EngineDeadError(SpecloopError):
     """The engine stopped after a failure that may have corrupted shared state (a forward
     call); it serves nothing more."""
+
+
+class SnapshotError(SpecloopError):
+    """A request snapshot that cannot be taken or restored here (unknown format or version,
+    another configuration, no room); nothing was changed."""

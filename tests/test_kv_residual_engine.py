@@ -667,14 +667,14 @@ def test_snapshots_right_after_rollbacks(policy, monkeypatch):
         return _spec_engine("block-d1", {"tail": 2 if policy == "execution" else SPEC_TAIL, "policy": policy},
                             token_sparse_prefill={"window": 16, "retention": [1.0, 1.0, 0.5, 0.25]})
 
-    from specloop.engine import snapshot as snapshot_module
-    flush, pending = snapshot_module._flush_records, []
+    from specloop.flashloop.kv_residual.snapshot import ResidualPart
+    flush, pending = ResidualPart._flush, []
 
-    def counting(store, records, key, cell):  # did the capture meet a truncate the device lacks?
-        pending.append(records._requests[key].truncate is not None)
-        flush(store, records, key, cell)
+    def counting(part, key, cell):  # did the capture meet a truncate the device lacks?
+        pending.append(part.records._requests[key].truncate is not None)
+        flush(part, key, cell)
 
-    monkeypatch.setattr(snapshot_module, "_flush_records", counting)
+    monkeypatch.setattr(ResidualPart, "_flush", counting)
     engine = make()
     gen = torch.Generator().manual_seed(3)
     engine.add_request("a", torch.randint(3, 4000, (60,), generator=gen).tolist(),

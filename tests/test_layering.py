@@ -1,6 +1,7 @@
-"""Dependencies point one way: server -> engine -> pipeline -> runtime / scheduling ->
-checkpoint -> model -> kernels, with the wire types, plans, configuration and errors at the
-bottom.
+"""Dependencies point one way: server -> engine -> FlashLoop features -> pipeline -> runtime /
+scheduling -> checkpoint -> model -> kernels, with the wire types, plans, configuration and
+errors at the bottom; and the core never imports a feature package: only the composition
+root (`specloop/engine/build.py`) names the FlashLoop features (`specloop/flashloop/*/`).
 
 Every module under specloop/ and server/ is parsed with `ast`; nothing is imported, so a
 broken module cannot hide its imports and the check costs no torch. Every import counts:
@@ -29,7 +30,8 @@ RANKS: dict[str, float] = {
     "specloop/sampling_params.py": 0,
     "specloop/protocol.py": 0,
     "specloop/plan.py": 0,  # plans: torch-free data from the scheduler to the runner
-    "specloop/flashloop/": 0,  # FlashLoop configuration groups and window geometry (torch-free)
+    "specloop/flashloop/__init__.py": 0,
+    "specloop/flashloop/config.py": 0,  # FlashLoop configuration groups and window geometry (torch-free)
     "specloop/assets/": 0,
     "specloop/kernels/": 0.5,
     "specloop/model/": 1,
@@ -37,6 +39,7 @@ RANKS: dict[str, float] = {
     "specloop/runtime/": 2,
     "specloop/scheduling/": 2,
     "specloop/pipeline/": 3,
+    "specloop/flashloop/": 3.5,  # the FlashLoop features, one package each (plug-ins: see FEATURES)
     "specloop/engine/": 4,
     "specloop/llm.py": 5,
     "specloop/client.py": 5,
@@ -55,7 +58,10 @@ APART = {("specloop/runtime/", "specloop/scheduling/"), ("specloop/scheduling/",
 ONLY = {"specloop/kernels/": {"specloop/errors.py"}}
 # Layers that may not import these third-party packages, directly or through the specloop
 # modules they import at module level.
-NO_THIRD_PARTY = {"specloop/scheduling/": ("torch", "triton"), "specloop/flashloop/": ("torch", "triton")}
+NO_THIRD_PARTY = {"specloop/scheduling/": ("torch", "triton"), "specloop/flashloop/config.py": ("torch", "triton")}
+# The feature packages: only the composition root and the features themselves import them.
+FEATURES = "specloop/flashloop/"
+COMPOSITION_ROOT = "specloop/engine/build.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +267,27 @@ def test_layer_never_imports_torch(layer):
                     found.append(f"{rel}: {module_name(path)} -> {module} -> {imp.target} ({dep}:{imp.line})")
     print("\n".join(found))
     assert not found, f"{layer} must not import {', '.join(banned)}:\n" + "\n".join(found)
+
+
+def test_core_never_imports_a_feature_package():
+    """A module outside the feature packages imports none of them, the composition root aside."""
+    found = []
+    for path in source_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in EXEMPT or rel == COMPOSITION_ROOT or layer_of(rel) == FEATURES:
+            continue
+        for imp in file_imports(path):
+            if ours(imp.target) and target_layer(imp.target) == FEATURES:
+                found.append(f"{rel}:{imp.line}: {module_name(path)} -> {imp.target}")
+    print("\n".join(found))
+    assert not found, "core modules import feature packages:\n" + "\n".join(found)
+
+
+def test_the_feature_rule_sees_a_feature_import():
+    source = "from specloop.flashloop.kv_residual.feature import KVResidualFeature\n"
+    [imp] = imports_of(source, "specloop.runtime.runner")
+    assert target_layer(imp.target) == FEATURES
+    assert target_layer("specloop.flashloop.config") == "specloop/flashloop/config.py"
 
 
 def test_the_checker_sees_every_kind_of_import():

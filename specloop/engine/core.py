@@ -13,51 +13,31 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import itertools
 import logging
-import math
-import os
 from typing import Any
 
 import torch
 
 from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
 from specloop.checkpoint.tokenizer import longest_token_bytes
+from specloop.engine.build import build
 from specloop.engine.config import EngineConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
-from specloop.engine.executor import Executor, SampleResult, Ticket
-from specloop.engine.snapshot import RequestSnapshot, SnapshotError, capture
-from specloop.engine.snapshot import check as check_snapshot
-from specloop.engine.snapshot import install as install_snapshot
-from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError, SpecloopError
-from specloop.flashloop.config import TokenSparsePrefill
+from specloop.engine.executor import SampleResult, Ticket
+from specloop.engine.snapshot import RequestSnapshot
+from specloop.errors import EngineDeadError, InvalidRequestError, RequestFailedError, SnapshotError, SpecloopError
 from specloop.flashloop.config import summary as group_summary
 from specloop.model.ouro import OuroModel
-from specloop.pipeline.heads import SpeculationHeads, Verifier
+from specloop.pipeline.heads import Verifier
 from specloop.pipeline.metrics import SpeculationMetrics
-from specloop.pipeline.rounds import RoundController
-from specloop.pipeline.token_pipeline import TokenPipeline
-from specloop.runtime.attention import backend_name, make_backend
-from specloop.runtime.forward_batch import WINDOW_INFO, ForwardBatchBuilder
-from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
-from specloop.runtime.kv_format import PagedKV
-from specloop.runtime.kv_residual import PackedResiduals
-from specloop.runtime.sparse_decode import DecodeReferences
-from specloop.scheduling.residual_records import GROUP as RECORD_ROWS, ResidualRecords
-from specloop.runtime.runner import Runner
+from specloop.plan import Sample, Verify, VerifyCandidate
 from specloop.runtime.sampler import check_representable
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.controller import Commit
-from specloop.scheduling.kv_manager import KVManager
-from specloop.plan import Sample, Verify, VerifyCandidate
 from specloop.scheduling.request import Request, RequestOutput, Status
-from specloop.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-CPU_KV_BYTES = 256 << 20  # default KV budget on CPU; SPECLOOP_CPU_KV_BYTES overrides it (tests: 32 MiB)
-CPU_KV_ENV = "SPECLOOP_CPU_KV_BYTES"
-CUDA_ACTIVATION_RESERVE = 4 << 30  # bytes of free GPU memory kept out of the KV pool
 PROMPT_CHARS_SLACK = 2  # margin on the character bound of a prompt that cannot fit (`check_prompt_chars`)
 
 
@@ -91,23 +71,6 @@ class EngineStats:
     sparse_decode_reference_bytes: int = 0  # device bytes of the decode slots' reference state
 
 
-def _window_slots(sparse: TokenSparsePrefill, rows: int, max_seqs: int, num_loops: int, num_token_slots: int) -> int:
-    """Integers one plan's sparse prefill groups add to the forward batch (0: none). A group
-    uploads a padded row of `window` token slots and its info; a complete group of a full
-    window runs at least its budget, so at most rows / budget of them fit a plan, and each
-    request and sparse depth may add a short last window and a window split by the budget.
-    Each row the groups run adds three integers, each token they leave out two."""
-    if not sparse.active:
-        return 0
-    if sparse.window > num_token_slots:
-        raise ConfigError(f"token_sparse_prefill.window ({sparse.window}) exceeds the engine's {num_token_slots} "
-                          f"token slots: a window's tokens wait for each other before the sparse loops; raise "
-                          f"max_num_batched_tokens or use a smaller window")
-    least = min(sparse.budget(d, sparse.window) for d in range(2, num_loops))
-    groups = math.ceil(rows / least) + 2 * max_seqs * (num_loops - 2)
-    return groups * (3 * sparse.window + WINDOW_INFO) + 3 * rows
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, model: OuroModel | None = None, tokenizer: Any = None,
                  verifier: Verifier | None = None) -> None:
@@ -131,71 +94,12 @@ class EngineCore:
         # Characters beyond which a prompt certainly exceeds the context (None: no such bound).
         self.max_prompt_chars = None if longest is None else PROMPT_CHARS_SLACK * self.max_model_len * longest
         threshold = mcfg.early_exit_threshold if config.exit_threshold is None else config.exit_threshold
-        page_bytes = PagedKV.page_bytes(mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads,
-                                        mcfg.head_dim, self.model.dtype)
-        rows = config.max_num_batched_tokens
-        num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
-        speculation = _speculation(config, mcfg.num_loops)
-        decode_slots = self._decode_slots(speculation)
-        # the Triton kernels' scores scratch, sized by a pass's rows (the torch references need none)
-        scratch_rows = rows if backend_name(config.attention_backend, device) == "triton" else 0
-        reference_bytes = 0
-        if decode_slots:
-            reference_bytes = DecodeReferences.nbytes(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
-                                                      mcfg.head_dim, self.max_model_len,
-                                                      config.sparse_decode_attention.key_retention, self.model.dtype,
-                                                      scratch_rows)
-        num_pages = self._num_pages(page_bytes, device, reference_bytes)
-        heads: dict[type, Any] = {}
-        if speculation is not None:
-            # A round verifies k+1 rows in one call and a pipeline advances up to R live
-            # tokens together; each request may hold that many slots twice (a guessed round).
-            per_request = speculation.rows_per_request
-            if rows < per_request:
-                raise ConfigError(f"max_num_batched_tokens ({rows}) must be at least {per_request} for "
-                                  f"{config.speculation} speculation with these settings")
-            if not decode_slots:  # (with sparse decode its generated tokens take decode slots)
-                num_token_slots += 2 * per_request * config.max_num_seqs
-            heads = SpeculationHeads(config.max_num_seqs, speculation.draft_width, mcfg.vocab_size,
-                                     self.model.dtype, device, verifier).registry()
-        sparse = config.token_sparse_prefill
-        sparse.check(mcfg.num_loops)
-        # (prompt windows take general slots only: checked before the decode sub-pool joins)
-        window_slots = _window_slots(sparse, rows, config.max_num_seqs, mcfg.num_loops, num_token_slots)
-        num_token_slots += decode_slots  # slots [0, decode_slots): generated tokens' (sparse decode attention)
-        self.kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
-        residuals, residual_ints = self._residuals(num_pages, device, speculation)
-        self.scheduler = Scheduler(self.kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
-                                   adaptive_exit=threshold < 1.0, speculation=speculation,
-                                   preemption_mode=config.preemption_mode, token_sparse=sparse,
-                                   decode_slots=decode_slots)
-        self.scheduler.swap_out, self.scheduler.swap_in = self._swap_out, self._swap_in
-        # One page past the KV manager's: the sink padding rows of a CUDA graph write.
-        kv = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
-                     mcfg.head_dim, self.model.dtype, device)
-        references = None
-        if decode_slots:
-            references = DecodeReferences(decode_slots, mcfg.num_hidden_layers, mcfg.num_attention_heads,
-                                          mcfg.head_dim, self.max_model_len,
-                                          config.sparse_decode_attention.key_retention, self.model.dtype, device,
-                                          scratch_rows)
-        self.backend = make_backend(config.attention_backend, kv, device, mcfg.num_attention_heads,
-                                    mcfg.num_key_value_heads, residuals, references)
-        graphed = device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
-        buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
-        batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops,
-                                      -(-self.max_model_len // config.block_size), config.block_size, device,
-                                      tile_rows=self.backend.tile_rows, buckets=buckets, pad_slot=num_token_slots,
-                                      window_slots=window_slots, residual_ints=residual_ints,
-                                      residual_tail=_execution_tail(config), sparse_decode=bool(decode_slots))
-        runner = Runner(self.model, self.backend, batches, num_token_slots, config.max_num_seqs, threshold,
-                        config.seed, heads, token_sparse=sparse, residuals=residuals, references=references)
-        if graphed:
-            runner.use_graphs(LoopGraphs(
-                runner.run_pass, batches, mcfg.hidden_size, self.model.dtype, threshold < 1.0,
-                mcfg.num_key_value_heads, self.max_model_len, num_pages, device))
-        self.executor = Executor(runner)
-        self.speculation_heads: SpeculationHeads | None = next(iter(heads.values())) if heads else None
+        parts = build(config, self.model, device, self.max_model_len, threshold, verifier, self._swap_out,
+                      self._swap_in)
+        self.kv, self.scheduler, self.backend, self.executor = parts.kv, parts.scheduler, parts.backend, parts.executor
+        self.speculation_heads = parts.speculation_heads
+        self.snapshots = parts.snapshots
+        speculation = parts.speculation
         self.metrics = SpeculationMetrics(max(speculation.draft_width if speculation else 0, 1))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -204,95 +108,8 @@ class EngineCore:
         self._arrivals = itertools.count()
         self.failure: BaseException | None = None  # set when a step failed outside one request
         log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",
-                 config.model, device, num_pages, config.block_size, num_pages * page_bytes / 2**20,
-                 self.backend.name, "on" if graphed else "off")
-
-    def _residuals(self, num_pages: int, device: torch.device, speculation: Any) -> tuple[PackedResiduals | None, int]:
-        """The INT4 residual planes (kv_residual_quantization), their host records and the
-        forward batch's room for their integers; (None, 0) when off."""
-        cfg, mcfg = self.config, self.model.config
-        group = cfg.kv_residual_quantization
-        if not group.enabled:
-            return None, 0
-        if speculation is not None and group.policy == "serial":
-            # Candidates never seal, and the host learns what committed one ticket late: a
-            # query at a seal must find its group's rows committed, so the tail must outrun the
-            # positions the tickets in flight can hold past the committed ones.
-            ahead = (cfg.max_inflight_tickets + 1) * speculation.rows_per_request
-            if group.tail <= ahead:
-                raise ConfigError(f"kv_residual_quantization.tail ({group.tail}) must exceed {ahead} with "
-                                  f"{cfg.speculation} speculation here ((max_inflight_tickets + 1) x "
-                                  f"{speculation.rows_per_request} rows a request may run past its committed "
-                                  f"tokens): under the serial policy only committed tokens seal")
-        planes, seqs = mcfg.num_loops, cfg.max_num_seqs
-        record_bytes = PackedResiduals.record_bytes(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
-        if cfg.num_kv_pages is not None:
-            # a record per 64 positions the pages cover (a request's last one may cover less),
-            # and at least one request's at the context length (its pages go back behind its
-            # tail, its records stay)
-            num_records = max(-(-num_pages * cfg.block_size // RECORD_ROWS) + planes * seqs,
-                              planes * (-(-self.max_model_len // RECORD_ROWS) + 1))
-        else:  # the rest of the byte budget, after the BF16 pages' share
-            num_records = int(self._kv_budget(device) * (1 - group.tail_share)) // record_bytes
-        store = PackedResiduals(mcfg.num_hidden_layers, num_records, seqs, planes, self.max_model_len,
-                                mcfg.num_key_value_heads, mcfg.head_dim, group.tail, self.model.dtype, device,
-                                group.policy)
-        self.kv.records = ResidualRecords(planes, num_records, record_bytes, cfg.token_sparse_prefill)
-        self.kv.span_limit = _residual_span(cfg, planes, speculation)
-        groups = -(-(self.max_model_len + cfg.block_size) // RECORD_ROWS)
-        # resets, records, truncates, release scans
-        ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
-        return store, ints
-
-    def _decode_slots(self, speculation: Any) -> int:
-        """Slots of the decode sub-pool sparse decode attention needs (0: off). A request holds
-        a generated token's slot for each of its rows in flight (a round's, or a pipeline's
-        live tokens) in each ticket in flight and the one being planned."""
-        cfg = self.config
-        if not cfg.sparse_decode_attention.enabled:
-            return 0
-        per_request = speculation.rows_per_request if speculation is not None else 1
-        return cfg.max_num_seqs * per_request * (cfg.max_inflight_tickets + 1)
-
-    def _num_pages(self, page_bytes: int, device: torch.device, reserved: int = 0) -> int:
-        """Pages of the KV pool: `num_kv_pages`, or the byte budget's share for BF16 pages (all
-        of it, or `kv_residual_quantization.tail_share` with INT4 residuals) after `reserved`
-        bytes (sparse decode attention's reference state)."""
-        cfg = self.config
-        if cfg.num_kv_pages is not None:
-            return cfg.num_kv_pages
-        budget = self._kv_budget(device) - reserved
-        if budget <= 0:
-            raise SpecloopError(f"the KV budget of {self._kv_budget(device)} bytes leaves no room for pages after "
-                                f"{reserved} bytes of sparse decode reference state; lower max_num_seqs or "
-                                f"max_model_len")
-        group = cfg.kv_residual_quantization
-        if group.enabled:
-            budget = int(budget * group.tail_share)
-        pages = budget // page_bytes
-        if pages < 1:
-            raise SpecloopError(f"the KV budget of {budget} bytes holds no page of {page_bytes} bytes")
-        return pages
-
-    def _kv_budget(self, device: torch.device) -> int:
-        """Bytes for KV storage: `kv_cache_bytes`, or what the device leaves (read once, before
-        any KV storage is allocated)."""
-        if getattr(self, "_budget", None) is None:
-            self._budget = self._read_kv_budget(device)
-        return self._budget
-
-    def _read_kv_budget(self, device: torch.device) -> int:
-        cfg = self.config
-        if cfg.kv_cache_bytes is not None:
-            return cfg.kv_cache_bytes
-        if device.type == "cuda":
-            gc.collect()  # an earlier engine's pool (its graphs hold a reference cycle) goes first
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(device)
-            # Leave room for activations (a 1 GiB reserve measured 22% slower decode on an
-            # H200 than this one; allocator retries are the suspected cause, not profiled).
-            return int(free * cfg.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE
-        return _cpu_kv_bytes()
+                 config.model, device, parts.num_pages, config.block_size, parts.num_pages * parts.page_bytes / 2**20,
+                 self.backend.name, "on" if parts.graphed else "off")
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
@@ -428,29 +245,38 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             raise SnapshotError(f"request {request_id!r} finished while the tickets in flight completed")
-        return capture(self, req)
+        return self._capture(req)
 
     def restore(self, snapshot: RequestSnapshot) -> None:
         """Resume a request from its snapshot, where it was: a refused restore (SnapshotError:
         another format version or configuration, its ID in use, no room) changes nothing."""
         self._check_alive()
-        check_snapshot(self, snapshot)
-        install_snapshot(self, snapshot)
+        self.snapshots.check(snapshot, self.id_in_use(snapshot.request_id))
+        self._install(snapshot)
+
+    def _capture(self, req: Request) -> RequestSnapshot:
+        return self.snapshots.capture(req, self._detok[req.request_id].state())
+
+    def _install(self, snapshot: RequestSnapshot) -> None:
+        req = self.snapshots.install(snapshot)
+        self.requests[req.request_id] = req
+        self._detok[req.request_id] = IncrementalDetokenizer.from_state(self.tokenizer, snapshot.data["detokenizer"])
 
     def _swap_out(self, req: Request) -> None:
         """Swap preemption: the request's last ticket completed; keep its snapshot in host memory."""
-        req.swapped = capture(self, req)
+        req.swapped = self._capture(req)
 
     def _swap_in(self, req: Request) -> bool:
         """Restore a swapped-out request at the head of the queue, if there is room now."""
-        try:
-            check_snapshot(self, req.swapped, replacing=req)
+        rid = req.request_id
+        try:  # the request holds its own ID meanwhile
+            self.snapshots.check(req.swapped, self.id_in_use(rid) and self.requests.get(rid) is not req)
         except SnapshotError:
             return False
         self.scheduler.waiting.popleft()
-        del self.requests[req.request_id]
-        del self._detok[req.request_id]
-        install_snapshot(self, req.swapped)
+        del self.requests[rid]
+        del self._detok[rid]
+        self._install(req.swapped)
         return True
 
     def _quiesce(self) -> list[RequestOutput]:
@@ -589,55 +415,6 @@ class EngineCore:
             outputs.extend(self.step())
         return outputs
 
-
-
-def _cpu_kv_bytes() -> int:
-    """The default KV budget on CPU: $SPECLOOP_CPU_KV_BYTES, else CPU_KV_BYTES (read per engine)."""
-    text = os.environ.get(CPU_KV_ENV)
-    if text is None:
-        return CPU_KV_BYTES
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{CPU_KV_ENV} must be a positive number of bytes, got {text!r}")
-    return int(text)
-
-
-def _execution_tail(config: EngineConfig) -> int | None:
-    """The INT4 residuals' tail under the execution policy (None: off, or the serial policy)."""
-    group = config.kv_residual_quantization
-    return group.tail if group.enabled and group.policy == "execution" else None
-
-
-def _residual_span(config: EngineConfig, num_loops: int, speculation: Any) -> int:
-    """The most positions of one plane a request holds BF16 pages for at once with INT4
-    residuals (`KVManager.span_limit`), tested by tests/test_kv_residual_engine.py.
-
-    A plane's pages go back behind its release frontier less the tail and up to two groups
-    (the one the frontier is in, one not sealed yet). A prompt grows its tables to its
-    depth-0 frontier plus one plan's rows, and the deepest plane trails depth 0 by one
-    plan's rows in a wavefront (a token-sparse depth by one window more, as it waits for
-    whole windows, and its groups of rows span more positions); the tickets in flight
-    delay releases by a plan each past the second. Speculation runs at most (tickets in flight + 1) x rows per request past the committed
-    tokens, behind which it releases."""
-    rows, inflight = config.max_num_batched_tokens, config.max_inflight_tickets
-    span = max(2, inflight) * rows + config.kv_residual_quantization.tail + 2 * RECORD_ROWS
-    sparse = config.token_sparse_prefill
-    if sparse.active:  # and a sparse plane's group of 64 rows spans up to 64 / retention prompt positions
-        span += (num_loops - 1) * sparse.window + math.ceil(RECORD_ROWS / min(sparse.retention))
-    if speculation is not None:
-        span += (inflight + 1) * speculation.rows_per_request
-    return span
-
-
-def _speculation(config: EngineConfig, num_loops: int) -> RoundController | TokenPipeline | None:
-    """The speculation controller the configuration asks for."""
-    if config.speculation == "none":
-        return None
-    if not 1 <= config.draft_loops < num_loops:
-        raise ConfigError(f"draft_loops must lie in 1..{num_loops - 1} for a {num_loops}-loop "
-                          f"model, got {config.draft_loops}")
-    if config.speculation == "block":
-        return RoundController(num_loops, config.draft_loops, config.num_speculative_tokens)
-    return TokenPipeline(num_loops, config.draft_loops)
 
 
 def _resolve_device(device: str) -> str:

@@ -1,0 +1,224 @@
+"""The composition root: the one module that names every FlashLoop feature.
+
+`build` sizes and wires the engine's parts for one configuration: the KV budget and its
+page pool, token slots, the scheduler, the KV storage, the attention backend, the forward
+batch, the runner (with CUDA graphs), and the snapshotter with every part's share of a
+request snapshot. Each FlashLoop feature (`specloop.flashloop.*`) sizes itself (device
+bytes outside the page pool, token slots, the forward batch's integers, its share of the
+byte budget) and brings its parts; the core modules it wires name none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from specloop.engine.config import EngineConfig
+from specloop.engine.executor import Executor
+from specloop.engine.snapshot import CellPart, KVPagesPart, SlotsPart, Snapshotter
+from specloop.errors import ConfigError, SpecloopError
+from specloop.flashloop.config import summary as group_summary
+from specloop.flashloop.kv_residual.feature import KVResidualFeature
+from specloop.flashloop.sparse_decode.feature import SparseDecodeFeature
+from specloop.flashloop.token_sparse_prefill.feature import TokenSparsePrefillFeature
+from specloop.model.ouro import OuroModel
+from specloop.pipeline.heads import SpeculationHeads, Verifier
+from specloop.pipeline.rounds import RoundController
+from specloop.pipeline.token_pipeline import TokenPipeline
+from specloop.runtime.attention import backend_name, make_backend
+from specloop.runtime.feature import Absent, Sizing
+from specloop.runtime.forward_batch import ForwardBatchBuilder
+from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
+from specloop.runtime.kv_format import PagedKV
+from specloop.runtime.runner import Runner
+from specloop.scheduling.kv_manager import KVManager
+from specloop.scheduling.request import Request
+from specloop.scheduling.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+CPU_KV_BYTES = 256 << 20  # default KV budget on CPU; SPECLOOP_CPU_KV_BYTES overrides it (tests: 32 MiB)
+CPU_KV_ENV = "SPECLOOP_CPU_KV_BYTES"
+CUDA_ACTIVATION_RESERVE = 4 << 30  # bytes of free GPU memory kept out of the KV pool
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What `build` wires for `EngineCore`."""
+
+    kv: KVManager
+    scheduler: Scheduler
+    backend: Any
+    executor: Executor
+    speculation: RoundController | TokenPipeline | None
+    speculation_heads: SpeculationHeads | None
+    snapshots: Snapshotter
+    num_pages: int
+    page_bytes: int
+    graphed: bool
+
+
+def build(config: EngineConfig, model: OuroModel, device: torch.device, max_model_len: int, threshold: float,
+          verifier: Verifier | None, swap_out: Callable[[Request], None],
+          swap_in: Callable[[Request], bool]) -> EngineParts:
+    """`swap_out` / `swap_in`: the engine's halves of swap preemption (the scheduler calls them)."""
+    mcfg = model.config
+    page_bytes = PagedKV.page_bytes(mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads,
+                                    mcfg.head_dim, model.dtype)
+    rows = config.max_num_batched_tokens
+    num_token_slots = (mcfg.num_loops + config.max_inflight_tickets + 1) * rows
+    speculation = _speculation(config, mcfg.num_loops)
+    triton = backend_name(config.attention_backend, device) == "triton"
+    s = Sizing(config, mcfg, max_model_len, model.dtype, device, speculation, triton)
+    budget = KVBudget(config, device)
+    sparse = config.token_sparse_prefill
+    decode = SparseDecodeFeature(config.sparse_decode_attention, s) if config.sparse_decode_attention.enabled else None
+    residual = (KVResidualFeature(config.kv_residual_quantization, sparse, s)
+                if config.kv_residual_quantization.enabled else None)
+    decode_slots = decode.decode_slots if decode is not None else 0
+    reserved = decode.reserved_bytes() if decode is not None else 0
+    num_pages = budget.pages(page_bytes, reserved, residual.page_share if residual is not None else 1.0)
+    heads: dict[type, Any] = {}
+    if speculation is not None:
+        # A round verifies k+1 rows in one call and a pipeline advances up to R live
+        # tokens together; each request may hold that many slots twice (a guessed round).
+        per_request = speculation.rows_per_request
+        if rows < per_request:
+            raise ConfigError(f"max_num_batched_tokens ({rows}) must be at least {per_request} for "
+                              f"{config.speculation} speculation with these settings")
+        if not decode_slots:  # (with sparse decode its generated tokens take decode slots)
+            num_token_slots += 2 * per_request * config.max_num_seqs
+        heads = SpeculationHeads(config.max_num_seqs, speculation.draft_width, mcfg.vocab_size,
+                                 model.dtype, device, verifier).registry()
+    sparse.check(mcfg.num_loops)
+    # (prompt windows take general slots only: sized before the decode sub-pool joins)
+    window_slots = TokenSparsePrefillFeature(sparse, s).upload_ints(num_token_slots) if sparse.active else 0
+    num_token_slots += decode_slots  # slots [0, decode_slots): generated tokens' (sparse decode attention)
+    kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
+    residuals, residual_ints = residual.build(kv, num_pages, budget.total) if residual is not None else (None, 0)
+    scheduler = Scheduler(kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
+                          adaptive_exit=threshold < 1.0, speculation=speculation,
+                          preemption_mode=config.preemption_mode, token_sparse=sparse, decode_slots=decode_slots)
+    scheduler.swap_out, scheduler.swap_in = swap_out, swap_in
+    # One page past the KV manager's: the sink padding rows of a CUDA graph write.
+    store = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
+                    mcfg.head_dim, model.dtype, device)
+    references = decode.references() if decode is not None else None
+    backend = make_backend(config.attention_backend, store, device, mcfg.num_attention_heads,
+                           mcfg.num_key_value_heads, residuals, references)
+    graphed = device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
+    buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
+    batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, -(-max_model_len // config.block_size),
+                                  config.block_size, device, tile_rows=backend.tile_rows, buckets=buckets,
+                                  pad_slot=num_token_slots, window_slots=window_slots, residual_ints=residual_ints,
+                                  residual_tail=residual.execution_tail if residual is not None else None,
+                                  sparse_decode=bool(decode_slots))
+    runner = Runner(model, backend, batches, num_token_slots, config.max_num_seqs, threshold, config.seed, heads,
+                    token_sparse=sparse, residuals=residuals, references=references)
+    if graphed:
+        runner.use_graphs(LoopGraphs(runner.run_pass, batches, mcfg.hidden_size, model.dtype, threshold < 1.0,
+                                     mcfg.num_key_value_heads, max_model_len, num_pages, device))
+    speculation_heads = next(iter(heads.values())) if heads else None
+    draft = (speculation_heads.draft_tokens, speculation_heads.draft_probs) if speculation_heads else None
+    parts = [KVPagesPart(kv, store),
+             residual.snapshot_part(kv, residuals, batches.forget_backlog) if residual is not None
+             else Absent("residual", KVResidualFeature.option),
+             SlotsPart(runner.slots),
+             decode.snapshot_part(references) if decode is not None else Absent("references", SparseDecodeFeature.option),
+             CellPart(runner.next_token, draft)]
+    snapshots = Snapshotter(fingerprint(config, model, store.name, threshold), config.summary(), scheduler, parts)
+    return EngineParts(kv, scheduler, backend, Executor(runner), speculation, speculation_heads, snapshots, num_pages,
+                       page_bytes, graphed)
+
+
+def fingerprint(config: EngineConfig, model: OuroModel, kv_format: str, threshold: float) -> dict[str, Any]:
+    """What a restoring engine must share with the snapshotting one for exact resumption."""
+    spec = config.speculation
+    return {
+        "model": model.config.to_hf_dict(),
+        "dtype": str(model.dtype),
+        "kv_format": kv_format,
+        "block_size": config.block_size,
+        "exit_threshold": threshold,
+        "speculation": spec,
+        "draft_loops": config.draft_loops if spec != "none" else None,
+        "num_speculative_tokens": config.num_speculative_tokens if spec == "block" else None,
+        "seed": config.seed,
+        "token_sparse_prefill": group_summary(config.token_sparse_prefill),
+        "kv_residual_quantization": group_summary(config.kv_residual_quantization),
+        "sparse_decode_attention": group_summary(config.sparse_decode_attention),
+    }
+
+
+class KVBudget:
+    """The bytes for KV storage: `kv_cache_bytes`, or what the device leaves (read once,
+    before any KV storage is allocated)."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config, self.device = config, device
+        self._bytes: int | None = None
+
+    def total(self) -> int:
+        if self._bytes is None:
+            self._bytes = self._read()
+        return self._bytes
+
+    def _read(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_bytes is not None:
+            return cfg.kv_cache_bytes
+        if self.device.type == "cuda":
+            gc.collect()  # an earlier engine's pool (its graphs hold a reference cycle) goes first
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations (a 1 GiB reserve measured 22% slower decode on an
+            # H200 than this one; allocator retries are the suspected cause, not profiled).
+            return int(free * cfg.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE
+        return _cpu_kv_bytes()
+
+    def pages(self, page_bytes: int, reserved: int, share: float) -> int:
+        """Pages of the KV pool: `num_kv_pages`, or the byte budget's `share` for BF16 pages
+        (all of it, or what a feature leaves them: INT4 residuals' tail share) after
+        `reserved` bytes a feature holds outside the pool (sparse decode attention's
+        reference state)."""
+        cfg = self.config
+        if cfg.num_kv_pages is not None:
+            return cfg.num_kv_pages
+        budget = self.total() - reserved
+        if budget <= 0:
+            raise SpecloopError(f"the KV budget of {self.total()} bytes leaves no room for pages after "
+                                f"{reserved} bytes of sparse decode reference state; lower max_num_seqs or "
+                                f"max_model_len")
+        if share < 1.0:
+            budget = int(budget * share)
+        pages = budget // page_bytes
+        if pages < 1:
+            raise SpecloopError(f"the KV budget of {budget} bytes holds no page of {page_bytes} bytes")
+        return pages
+
+
+def _cpu_kv_bytes() -> int:
+    """The default KV budget on CPU: $SPECLOOP_CPU_KV_BYTES, else CPU_KV_BYTES (read per engine)."""
+    text = os.environ.get(CPU_KV_ENV)
+    if text is None:
+        return CPU_KV_BYTES
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{CPU_KV_ENV} must be a positive number of bytes, got {text!r}")
+    return int(text)
+
+
+def _speculation(config: EngineConfig, num_loops: int) -> RoundController | TokenPipeline | None:
+    """The speculation controller the configuration asks for."""
+    if config.speculation == "none":
+        return None
+    if not 1 <= config.draft_loops < num_loops:
+        raise ConfigError(f"draft_loops must lie in 1..{num_loops - 1} for a {num_loops}-loop "
+                          f"model, got {config.draft_loops}")
+    if config.speculation == "block":
+        return RoundController(num_loops, config.draft_loops, config.num_speculative_tokens)
+    return TokenPipeline(num_loops, config.draft_loops)

@@ -1,0 +1,1 @@
+"""Token-sparse prefill (`token_sparse_prefill`) as a plug-in feature."""

@@ -1,0 +1,33 @@
+"""Token-sparse prefill's sizing: the forward batch's room for its window groups."""
+
+from __future__ import annotations
+
+import math
+
+from specloop.errors import ConfigError
+from specloop.flashloop.config import TokenSparsePrefill
+from specloop.runtime.feature import Sizing
+from specloop.runtime.forward_batch import WINDOW_INFO
+
+
+class TokenSparsePrefillFeature:
+    option = "token_sparse_prefill"
+
+    def __init__(self, group: TokenSparsePrefill, s: Sizing) -> None:
+        self.group, self.s = group, s
+
+    def upload_ints(self, num_token_slots: int) -> int:
+        """Integers one plan's sparse prefill groups add to the forward batch. A group uploads
+        a padded row of `window` token slots and its info; a complete group of a full window
+        runs at least its budget, so at most rows / budget of them fit a plan, and each
+        request and sparse depth may add a short last window and a window split by the
+        budget. Each row the groups run adds three integers, each token they leave out two.
+        `num_token_slots`: the general pool (prompt windows take none of the decode slots)."""
+        sparse, rows, loops = self.group, self.s.rows, self.s.model.num_loops
+        if sparse.window > num_token_slots:
+            raise ConfigError(f"token_sparse_prefill.window ({sparse.window}) exceeds the engine's {num_token_slots} "
+                              f"token slots: a window's tokens wait for each other before the sparse loops; raise "
+                              f"max_num_batched_tokens or use a smaller window")
+        least = min(sparse.budget(d, sparse.window) for d in range(2, loops))
+        groups = math.ceil(rows / least) + 2 * self.s.config.max_num_seqs * (loops - 2)
+        return groups * (3 * sparse.window + WINDOW_INFO) + 3 * rows

@@ -1,0 +1,80 @@
+"""What the core asks of the parts of the engine it does not name: the FlashLoop features.
+
+The snapshot of a request (`specloop.engine.snapshot`) is the union of what its parts
+capture: the core's own (KV pages, token slots, the request cell) and each FlashLoop
+feature's (`specloop.flashloop.*`), which the composition root (`specloop.engine.build`)
+hands the snapshotter. The core names no feature: a part that is off is an `Absent` part,
+which keeps its key in the format and refuses a snapshot that carries state for it.
+
+Every part sizes itself from one `Sizing` at start-up (device bytes outside the page pool,
+token slots, the forward batch's room for its integers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from specloop.errors import SnapshotError
+
+
+class SnapshotPart(Protocol):
+    """One owner of a running request's state, carried under `key` of the snapshot's dict."""
+
+    key: str
+
+    def capture(self, req: Any) -> Any:
+        """The request's state (plain values and host tensors that own their storage), at a
+        legal point: no ticket in flight holds its rows."""
+
+    def check(self, data: dict[str, Any]) -> None:
+        """Raise SnapshotError, changing nothing, when this engine cannot restore the part of
+        `data` (a snapshot's whole dict, of a running request) that it owns."""
+
+    def restore(self, req: Any, data: dict[str, Any]) -> None:
+        """Write the part's state for `req` (its token slots and cell already taken) from `data`."""
+
+
+class Absent:
+    """The part of a feature that is off: it captures nothing and refuses state for it."""
+
+    def __init__(self, key: str, option: str) -> None:
+        self.key, self.option = key, option
+
+    def capture(self, req: Any) -> None:
+        return None
+
+    def check(self, data: dict[str, Any]) -> None:
+        if data.get(self.key) is not None:
+            raise SnapshotError(f"the snapshot of {data['request']['request_id']!r} holds {self.key} state and "
+                                f"this engine has {self.option} off")
+
+    def restore(self, req: Any, data: dict[str, Any]) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """What start-up knows when the engine's parts size themselves (`specloop.engine.build`):
+    the configuration (`EngineConfig`), the model's (`ModelConfig`), and what was resolved
+    from them."""
+
+    config: Any
+    model: Any
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    speculation: Any  # the speculation controller (its rows_per_request), None without
+    triton: bool  # the attention backend is Triton (its kernels keep a scores scratch)
+
+    @property
+    def rows(self) -> int:
+        """Rows of one forward call (max_num_batched_tokens)."""
+        return self.config.max_num_batched_tokens
+
+    @property
+    def rows_per_request(self) -> int:
+        """Rows one request may run in one call past its committed tokens (1 without speculation)."""
+        return self.speculation.rows_per_request if self.speculation is not None else 1
