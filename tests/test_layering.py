@@ -283,6 +283,49 @@ def test_core_never_imports_a_feature_package():
     assert not found, "core modules import feature packages:\n" + "\n".join(found)
 
 
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle():
+    """No two modules of ours import each other, directly or through others (every import
+    counts, those under TYPE_CHECKING too): a cycle means two modules are one concept, or a
+    type sits in the wrong one."""
+    graph = {}
+    for path in source_files():
+        name = module_name(path)
+        if path.relative_to(ROOT).as_posix() in EXEMPT:
+            continue
+        graph[name] = {imp.target for imp in file_imports(path)
+                       if ours(imp.target) and module_path(imp.target) and imp.target != name}
+    assert not import_cycles(graph)
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
 def test_the_feature_rule_sees_a_feature_import():
     source = "from specloop.flashloop.kv_residual.feature import KVResidualFeature\n"
     [imp] = imports_of(source, "specloop.runtime.runner")

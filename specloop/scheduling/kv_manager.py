@@ -34,12 +34,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from specloop.errors import SpecloopError
-
-if TYPE_CHECKING:
-    from specloop.scheduling.residual_records import ResidualRecords
+from specloop.plan import RecordUpdate
 
 
 class OutOfPages(SpecloopError):
@@ -124,6 +122,39 @@ class PageAllocator:
                 )
 
 
+class RecordPool(Protocol):
+    """A second pool whose holdings follow the positions a request's pages cover (a packed
+    KV format's group records: `specloop.flashloop.kv_residual`): the KV manager takes and
+    gives back a request's records with its pages, so pages and records never disagree."""
+
+    record_bytes: int
+
+    @property
+    def num_records(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def total_bytes_used(self) -> int: ...
+
+    def records_for(self, rid: str | None, num_tokens: int, prompt_len: int = 0) -> int:
+        """Records `ensure(rid, num_tokens)` would take (rid None: a new request)."""
+
+    def add(self, rid: str, prompt_len: int) -> None: ...
+
+    def ensure(self, rid: str, num_tokens: int) -> None: ...
+
+    def truncate(self, rid: str, frontier: int, cover: int | None = None) -> None: ...
+
+    def free(self, rid: str) -> list[int]: ...
+
+    def bytes_used(self, rid: str) -> int: ...
+
+    def update(self, rid: str) -> RecordUpdate | None:
+        """The record assignments (and reset, rollback) the device has not seen; marks them sent."""
+
+
 @dataclasses.dataclass
 class _RequestKV:
     """One request's logical KV: per-plane tables and frontiers within a page reservation."""
@@ -169,11 +200,13 @@ class KVManager:
         self.allocator = PageAllocator(num_pages)
         self._requests: dict[str, _RequestKV] = {}
         self._outstanding = 0  # sum of outstanding_pages over requests
-        # INT4 residual group records (`kv_residual_quantization`), kept alongside the pages:
-        # set by the engine; its pool is sized so that pages run out first.
-        self.records: ResidualRecords | None = None
-        # INT4 residuals: the most positions of one plane a request holds BF16 pages for at
-        # once (its tail and the wavefront's span; set by the engine), None: every position.
+        # A packed format's group records, kept alongside the pages (set by the composition
+        # root; its pool is sized so that pages run out first), None: pages alone.
+        self.records: RecordPool | None = None
+        # A format that gives a plane's leading pages back once no query reads them exact
+        # (`release_prefix`): the most positions of one plane a request holds pages for at
+        # once (its tail and the wavefront's span; set by the composition root), None: every
+        # position, pages are held until the request ends.
         self.span_limit: int | None = None
         self.sink_page = num_pages  # the page the KV storage keeps past the pool (written by padding rows, never read)
 
@@ -219,6 +252,17 @@ class KVManager:
 
     def can_admit(self, reserve_tokens: int) -> bool:
         return self.pages_for(reserve_tokens) <= self.num_available_pages
+
+    @property
+    def releases_tails(self) -> bool:
+        """Whether planes give their leading pages back while the request runs (`span_limit`):
+        then a prompt takes its pages a plan's rows at a time, and plans carry release scans."""
+        return self.span_limit is not None
+
+    def records_free_for(self, num_tokens: int, prompt_len: int) -> bool:
+        """Whether the free records cover a new request of `num_tokens` positions (no record
+        pool: always)."""
+        return self.records is None or self.records.records_for(None, num_tokens, prompt_len) <= self.records.num_free
 
     def pages_at_once(self, num_tokens: int) -> int:
         """The most pages a request covering `num_tokens` positions holds at one time: all
@@ -366,6 +410,11 @@ class KVManager:
     def released(self, rid: str, plane: int) -> int:
         """Leading pages of the plane given back (`release_prefix`)."""
         return self._get(rid).released[plane]
+
+    def pending_records(self, rid: str) -> RecordUpdate | None:
+        """What the request's next group carries to the device of its records (None: no record
+        pool, or nothing new); marks it sent."""
+        return self.records.update(rid) if self.records is not None else None
 
     # ----- per-request views -----
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from specloop.flashloop.config import TokenSparsePrefill
+from specloop.plan import RecordUpdate
 from specloop.scheduling.kv_manager import OutOfPages, PageAllocator
 
 GROUP = 64  # rows of a record (the codec's group)
@@ -137,6 +138,14 @@ class ResidualRecords:
         self.allocator.decref(tables.dropped)
         tables.dropped = []
         return fresh, first, [t[f:] for t, f in zip(tables.records, first)], None if fresh else truncate
+
+    def update(self, rid: str) -> RecordUpdate | None:
+        """What the request's next group carries to the device (`pending`), or None when the
+        device has seen everything (planes grow apart: sparse planes hold fewer)."""
+        fresh, first, tables, truncate = self.pending(rid)
+        if fresh or any(tables) or truncate is not None:
+            return RecordUpdate(fresh, first, tables, truncate)
+        return None
 
     def tables(self, rid: str) -> list[list[int]]:
         """A copy of the request's record ids, per plane, in group order."""

@@ -37,7 +37,7 @@ from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.controller import Commit, Controller
 from specloop.scheduling.dense import DenseController
 from specloop.scheduling.kv_manager import KVManager
-from specloop.plan import Head, Plan, RecordUpdate, ReleaseScan, RowGroup, SparseWindow
+from specloop.plan import Head, Plan, ReleaseScan, RowGroup, SparseWindow
 from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
 
@@ -240,8 +240,7 @@ class Scheduler:
             return self.kv.can_admit(req.reserve_tokens)
         tokens = min(self._prompt_cover(req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
-        records = self.kv.records
-        if records is not None and records.records_for(None, tokens, len(req.prompt_ids)) > records.num_free:
+        if not self.kv.records_free_for(tokens, len(req.prompt_ids)):
             return False
         return self.kv.pages_for(tokens) + spare <= self.kv.num_available_pages
 
@@ -275,16 +274,16 @@ class Scheduler:
         frontier (a draft row, a pipeline's newest token)."""
         if req.speculating:
             return min(self.kv.frontier(req.kv_key, 0) + 1, req.reserve_tokens)
-        if self.kv.records is not None:  # one plan's worth of prompt rows at a time (see _prompt_cover)
+        if self.kv.releases_tails:  # one plan's worth of prompt rows at a time (see _prompt_cover)
             return min(req.num_tokens, self.kv.frontier(req.kv_key, 0) + self.max_rows)
         return req.num_tokens
 
     def _prompt_cover(self, prompt_tokens: int) -> int:
-        """Positions a prompt's tables cover at admission: all of them, except with INT4
-        residuals, whose BF16 tail pages go back as the prompt's groups seal: there a prompt
-        takes pages one plan's rows at a time (`_need`), so its BF16 working set is the
-        wavefront's span, not the whole prompt."""
-        return min(prompt_tokens, self.max_rows) if self.kv.records is not None else prompt_tokens
+        """Positions a prompt's tables cover at admission: all of them, except in a KV format
+        whose planes give their leading pages back (INT4 residuals: the BF16 tail pages go back
+        as the prompt's groups seal): there a prompt takes pages one plan's rows at a time
+        (`_need`), so its working set is the wavefront's span, not the whole prompt."""
+        return min(prompt_tokens, self.max_rows) if self.kv.releases_tails else prompt_tokens
 
     def _make_room(self) -> set[int]:
         """Grow every running request's tables to `_need`, oldest first, preempting the
@@ -347,7 +346,7 @@ class Scheduler:
         if not groups:
             return None
         plan = Plan(self._next_ticket, groups, self.adaptive_exit)
-        if self.kv.records is not None:
+        if self.kv.releases_tails:
             plan.releases = self._release_scans(groups)
         self._next_ticket += 1
         if release:  # token slots that finished the last depth return once the ticket completes
@@ -356,7 +355,7 @@ class Scheduler:
         return plan
 
     def _release_scans(self, groups: list[RowGroup]) -> list[ReleaseScan]:
-        """INT4 residuals: for each request in the plan, where the device should look for
+        """Planes that give pages back (INT4 residuals): for each request in the plan, where the device should look for
         tail pages no query will read exact again once the plan ran: from each plane's
         released pages up to the plane's frontier (the plan's rows counted; the next plane's
         too with token-sparse prefill, whose windows copy the plane's exact values into the
@@ -485,11 +484,8 @@ class Scheduler:
             token_ids = req.host_token_ids(start, end)
         if depth == 0 and token_ids is None and end - start != 1:
             raise AssertionError("generated tokens enter depth 0 one at a time")
-        records = None
-        if self.kv.records is not None:  # every plane's table: the call may encode groups of any of them
-            fresh, first, tables, truncate = self.kv.records.pending(key)
-            if fresh or any(tables) or truncate is not None:  # planes grow apart (sparse planes hold fewer)
-                records = RecordUpdate(fresh, first, tables, truncate)
+        records = self.kv.pending_records(key)
+        # every plane's table with adaptive exit or group records (the call may encode groups of any plane)
         planes = self.num_loops if self.adaptive_exit or self.kv.records is not None else last + 1
         deeper = [self.kv.page_table(key, p)[:pages] for p in range(depth + 1, planes)]
         return RowGroup(request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, cell=req.cell,
