@@ -21,7 +21,7 @@ from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, Sp
     flashloop_greedy
 from specloop.sampling_params import SamplingParams
 from specloop.runtime.kv_residual import NEVER
-from specloop.scheduling.residual_records import GROUP as RECORD_ROWS
+from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS
 from tests.conftest import weights_of
 
 MAX_TOKENS = 6

@@ -1,4 +1,4 @@
-"""Host records of INT4 residual groups (`specloop.scheduling.residual_records`): how many
+"""Host records of INT4 residual groups (`specloop.flashloop.kv_residual.records`): how many
 each plane of a request takes, with and without token-sparse prefill, through growth,
 rollback and the updates the device learns."""
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.kv_manager import OutOfPages
-from specloop.scheduling.residual_records import GROUP, ResidualRecords
+from specloop.flashloop.kv_residual.records import GROUP, ResidualRecords
 
 PLANES = 4
 

@@ -12,7 +12,7 @@ from specloop.flashloop.kv_residual.snapshot import ResidualPart
 from specloop.runtime.feature import Sizing
 from specloop.runtime.kv_residual import PackedResiduals
 from specloop.scheduling.kv_manager import KVManager
-from specloop.scheduling.residual_records import GROUP as RECORD_ROWS, ResidualRecords
+from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS, ResidualRecords
 
 
 class KVResidualFeature:

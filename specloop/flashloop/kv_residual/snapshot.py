@@ -18,7 +18,7 @@ from specloop.runtime.forward_batch import ResidualUpdate
 from specloop.runtime.kv_residual import PackedResiduals
 from specloop.scheduling.kv_manager import KVManager
 from specloop.scheduling.request import Request
-from specloop.scheduling.residual_records import GROUP as RECORD_ROWS, ResidualRecords
+from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS, ResidualRecords
 
 RECORD_FIELDS = ("k_codes", "k_scale", "k_lo")  # indexed by record
 ROW_FIELDS = ("v_codes", "v_scale", "v_lo")  # indexed by record * 64 + row

@@ -1,4 +1,5 @@
-"""Host bookkeeping of INT4 residual group records: which record holds each group of each plane.
+"""Host bookkeeping of INT4 residual group records: which record holds each group of each plane
+(the `RecordPool` the KV manager keeps beside its pages).
 
 With `kv_residual_quantization` on, every plane of a request stores its compact rows in
 groups of 64, one record of the device pool (`specloop.runtime.kv_residual`) per group.
