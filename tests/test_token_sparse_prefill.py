@@ -24,6 +24,7 @@ from specloop.errors import ConfigError
 from specloop.flashloop.config import TokenSparsePrefill
 from specloop.model.flashloop_reference import FlashLoopFeatures, SparsePrefill, flashloop_forward, flashloop_greedy
 from specloop.runtime import sparse_prefill
+from specloop.scheduling.prompts import DensePrompts
 from specloop.runtime.forward_batch import WindowBatch, WindowRows
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
@@ -263,7 +264,7 @@ def test_full_retention_and_off_take_the_dense_path(tiny_ckpt):
     for group in ({"window": 8, "retention": [1, 1, 1, 1]}, {"enabled": False, "window": 8}):
         engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float32",
                                                      num_kv_pages=512, block_size=4, token_sparse_prefill=group))
-        assert engine.scheduler.windows is None and engine.executor.runner.slots.previous.shape[1] == 0
+        assert isinstance(engine.scheduler.prompts, DensePrompts) and engine.executor.runner.slots.previous.shape[1] == 0
         probe = Probe(engine, 8)
         assert _run(engine, PROMPTS) == want and not probe.kept
 
@@ -513,9 +514,9 @@ def test_a_window_takes_all_its_token_slots_or_none(tiny_ckpt):
     pool.release(held)
     assert sched._entry_rows(a, 0, 12) == 12  # windows [0, 8) and [8, 16): 16 slots taken
     assert sorted(a.token_slots) == list(range(16)) and pool.num_free == pool.size - 16
-    assert sched._entry_rows(b, 0, 5, new_windows=False) == 0 and not b.token_slots
-    assert sched._entry_rows(a, 12, 4, new_windows=False) == 4  # its window's slots are taken
-    assert sched._entry_rows(a, 16, 8, new_windows=False) == 0
+    assert sched._entry_rows(b, 0, 5, may_start=False) == 0 and not b.token_slots
+    assert sched._entry_rows(a, 12, 4, may_start=False) == 4  # its window's slots are taken
+    assert sched._entry_rows(a, 16, 8, may_start=False) == 0
 
 
 def test_a_single_row_of_a_sparse_window_never_runs_every_loop(tiny_ckpt):

@@ -27,6 +27,7 @@ from specloop.flashloop.config import summary as group_summary
 from specloop.flashloop.kv_residual.feature import KVResidualFeature
 from specloop.flashloop.sparse_decode.feature import SparseDecodeFeature
 from specloop.flashloop.token_sparse_prefill.feature import TokenSparsePrefillFeature
+from specloop.flashloop.token_sparse_prefill.host import WindowedPrompts
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.heads import SpeculationHeads, Verifier
 from specloop.pipeline.rounds import RoundController
@@ -103,7 +104,8 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
     residuals, residual_ints = residual.build(kv, num_pages, budget.total) if residual is not None else (None, 0)
     scheduler = Scheduler(kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                           adaptive_exit=threshold < 1.0, speculation=speculation,
-                          preemption_mode=config.preemption_mode, token_sparse=sparse, decode_slots=decode_slots)
+                          preemption_mode=config.preemption_mode,
+                          prompts=WindowedPrompts(sparse) if sparse.active else None, decode_slots=decode_slots)
     scheduler.swap_out, scheduler.swap_in = swap_out, swap_in
     # One page past the KV manager's: the sink padding rows of a CUDA graph write.
     store = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,

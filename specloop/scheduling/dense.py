@@ -11,29 +11,24 @@ a recompute preemption re-enters its prompt and committed tokens as a prompt; wi
 speculation the last committed token is left out and the controller resumes from it, as
 after a rollback, so its rounds (and their keyed draws) fall where they would have.
 
-With token-sparse prefill, a prompt window reaches a sparse loop only once all its tokens
-finished the loop before (their change scores are computed together); it then runs the
-tokens it keeps there, in one group or, when the plan's budget is short, in several
-(`Request.window_rows` counts those planned), and the frontier passes the window with
-the last one.
+Token-sparse prefill plans a prompt in windows at its sparse depths: its controller
+(`specloop.flashloop.token_sparse_prefill.host`) overrides `_advance`, the planning of one
+depth, and builds a window's groups through `DenseBuilder.window_group`.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.controller import Commit, Controller, GroupBuilder, Rollback
 from specloop.plan import Head, RowGroup, Sample
 from specloop.scheduling.request import Request
 
 
 class DenseController:
-    def __init__(self, num_loops: int, handoff: Controller | None = None,
-                 windows: TokenSparsePrefill | None = None) -> None:
+    def __init__(self, num_loops: int, handoff: Controller | None = None) -> None:
         self.num_loops = num_loops
         self.handoff = handoff  # takes a request over after its first sample (speculation)
-        self.windows = windows  # token-sparse prefill with some sparse loop, or None
 
     def start(self, req: Request, base: int, token: int | None = None) -> None:
         """Dense planning needs no state of its own: the KV frontiers say what is ready."""
@@ -44,41 +39,21 @@ class DenseController:
         groups: list[RowGroup] = []
         prompt = len(req.prompt_ids)
         for depth in range(self.num_loops - 1, 0, -1):
-            start, ready = frontiers[depth], frontiers[depth - 1]
-            while budget > 0 and start < ready:
-                end = min(ready, start + budget)
-                if self.windows is not None and depth >= 2 and start < prompt:
-                    w_start, w_end = self.windows.bounds(start, prompt)
-                    if self.windows.sparse(depth, w_end - w_start):
-                        if ready < w_end:
-                            break  # its scores need every token of the window at the previous depth
-                        group = self._window(req, depth, w_start, w_end, budget, builder)
-                        groups.append(group)
-                        budget -= group.num_rows
-                        if not group.completes:
-                            break
-                        start = w_end
-                        continue
-                    end = min(end, w_end)  # a window kept whole here: dense, up to its end
-                groups.append(self.group(req, depth, start, end, builder))
-                budget -= end - start
-                start = end
+            budget = self._advance(req, depth, frontiers[depth], frontiers[depth - 1], budget, builder, groups)
         waiting = num_tokens - frontiers[0]
         if waiting > 0:
             builder.queue_entry(req, frontiers[0], waiting)
         return groups
 
-    def _window(self, req: Request, depth: int, start: int, end: int, budget: int,
-                builder: "DenseBuilder") -> RowGroup:
-        """The next group of prompt window [start, end) at sparse `depth`: as many of the
-        tokens it keeps as the budget allows."""
-        keep = self.windows.budget(depth, end - start)
-        first = req.window_rows.pop(depth, 0)
-        rows = min(budget, keep - first)
-        if first + rows < keep:
-            req.window_rows[depth] = first + rows
-            return builder.window_group(req, depth, start, end, keep, first, rows)
-        return self.group(req, depth, start, end, builder, window=(keep, first, rows))
+    def _advance(self, req: Request, depth: int, start: int, ready: int, budget: int, builder: "DenseBuilder",
+                 groups: list[RowGroup]) -> int:
+        """Plan rows [start, ready) at `depth` (ready: the frontier of the depth before) as
+        far as `budget` allows, into `groups`; returns the budget left."""
+        if budget > 0 and start < ready:
+            end = min(ready, start + budget)
+            groups.append(self.group(req, depth, start, end, builder))
+            budget -= end - start
+        return budget
 
     def group(self, req: Request, depth: int, start: int, end: int, builder: GroupBuilder,
               loops: int = 1, window: tuple[int, int, int] | None = None) -> RowGroup:

@@ -33,11 +33,11 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from specloop.flashloop.config import TokenSparsePrefill
 from specloop.scheduling.controller import Commit, Controller
 from specloop.scheduling.dense import DenseController
 from specloop.scheduling.kv_manager import KVManager
 from specloop.plan import Head, Plan, ReleaseScan, RowGroup, SparseWindow
+from specloop.scheduling.prompts import DensePrompts, PromptPlanning
 from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
 
@@ -106,17 +106,19 @@ class Scheduler:
     def __init__(
         self, kv: KVManager, num_loops: int, max_rows: int, max_seqs: int, num_token_slots: int,
         adaptive_exit: bool, speculation: Controller | None = None, preemption_mode: str = "recompute",
-        token_sparse: TokenSparsePrefill | None = None, decode_slots: int = 0,
+        prompts: PromptPlanning | None = None, decode_slots: int = 0,
     ) -> None:
-        """`decode_slots`: the token-slot sub-pool generated tokens take (sparse decode
-        attention's reference rooms, `TokenSlotPool`); 0: one pool for every token."""
+        """`prompts`: how prompt positions are planned (default `DensePrompts`; token-sparse
+        prefill plans windows); `decode_slots`: the token-slot sub-pool generated tokens take
+        (sparse decode attention's reference rooms, `TokenSlotPool`); 0: one pool for every
+        token."""
         self.kv = kv
         self.num_loops = num_loops
         self.max_rows = max_rows
         self.adaptive_exit = adaptive_exit
         self.speculation = speculation
-        self.windows = token_sparse if token_sparse is not None and token_sparse.active else None
-        self.dense = DenseController(num_loops, handoff=speculation, windows=self.windows)
+        self.prompts = prompts if prompts is not None else DensePrompts()
+        self.dense = self.prompts.controller(num_loops, speculation)
         self.multi_loop = True  # groups may run several loops per call (tests turn it off to compare)
         # Admission reserving prompt + max_tokens up front (never preempts): the older policy,
         # kept for benchmarks that compare it with admission by need.
@@ -329,11 +331,11 @@ class Scheduler:
             budget -= sum(g.cost for g in planned)
         # Single-token decodes before prompt chunks; each entering row needs a token slot.
         entries.sort(key=lambda e: (e[2] > 1, e[0].arrival))
-        new_windows = True  # until an older prompt waits for a window's slots: then nobody younger starts one
+        may_start = True  # until an older prompt waits for a window's slots: then nobody younger starts one
         for req, start, rows in entries:
-            take = self._entry_rows(req, start, min(budget, rows), new_windows)
-            if take < min(budget, rows) and self.windows is not None and budget > 0:
-                new_windows = False
+            take = self._entry_rows(req, start, min(budget, rows), may_start)
+            if take < min(budget, rows) and budget > 0:
+                may_start = False
             if take > 0:
                 loops = self._entry_loops(req, start, take, budget)
                 builder = _PlanBuilder(self, release, entries)
@@ -370,8 +372,7 @@ class Scheduler:
             req = by_cell[cell]
             key = req.kv_key
             frontiers = [self.kv.frontier(key, p) for p in range(self.num_loops)]
-            if self.windows is not None:
-                frontiers = [min(f, g) for f, g in zip(frontiers, frontiers[1:] + frontiers[-1:])]
+            frontiers = self.prompts.release_frontiers(frontiers)
             released = [self.kv.released(key, p) for p in range(self.num_loops)]
             # a speculating request's rows past its committed tokens are candidates: no group
             # holding one may seal (the serial policy); every other row is committed
@@ -380,35 +381,11 @@ class Scheduler:
             scans.append(ReleaseScan(key, cell, [min(f, committed) for f in frontiers], released, committed))
         return scans
 
-    def _entry_rows(self, req: Request, start: int, rows: int, new_windows: bool = True) -> int:
+    def _entry_rows(self, req: Request, start: int, rows: int, may_start: bool = True) -> int:
         """How many of `rows` positions from `start` can enter depth 0 now: each needs a token
-        slot. With token-sparse prefill a prompt window takes the slots of all its tokens
-        when its first one enters (all or nothing): its tokens wait for each other before
-        the sparse loops, so a window entered half-way could hold slots no one can free.
-        `new_windows` False: only windows whose slots are taken already (an older request
-        waits for the slots of its next one, and younger ones must not take them first)."""
-        prompt = len(req.prompt_ids)
-        if self.windows is None:
-            pool = self.token_slots
-            leading = min(rows, max(0, prompt - start))  # prompt positions, then generated ones
-            enter = min(leading, pool.free_for(False))
-            if enter < leading:
-                return enter
-            generated = pool.free_for(True) - (0 if pool.decode_size else enter)
-            return enter + min(rows - leading, generated)
-        pos, end = start, start + rows
-        while pos < min(end, prompt):
-            w_start, w_end = self.windows.bounds(pos, prompt)
-            if pos not in req.token_slots:  # the window's first token: take them all
-                slots = self.token_slots.take(w_end - w_start) if new_windows else None
-                if slots is None:
-                    return pos - start
-                req.token_slots.update(zip(range(w_start, w_end), slots))
-            pos = w_end
-        tail = max(start, prompt)  # positions past the prompt (a replay): a fresh slot each
-        if end > tail:
-            end = min(end, tail + self.token_slots.free_for(True))
-        return end - start
+        slot (`PromptPlanning.entry_rows`; `may_start` False: an older request waits for the
+        slots of a window, which a younger one must not take first)."""
+        return self.prompts.entry_rows(self.token_slots, req, start, rows, may_start)
 
     def _entry_loops(self, req: Request, start: int, rows: int, budget: int) -> int:
         """Loops a dense entry runs in this call: every loop (one plan per token) for a single
@@ -416,11 +393,8 @@ class Scheduler:
         otherwise (prompt chunks move through the depths as a wavefront)."""
         if not self.multi_loop or rows != 1 or budget < self.num_loops:
             return 1
-        prompt = len(req.prompt_ids)
-        if self.windows is not None and start < prompt:  # a window with a sparse loop waits for all its tokens
-            w_start, w_end = self.windows.bounds(start, prompt)
-            if any(self.windows.sparse(d, w_end - w_start) for d in range(self.num_loops)):
-                return 1
+        if self.prompts.single_loop(req, start):  # (a prompt window with a sparse loop waits for all its tokens)
+            return 1
         key = req.kv_key
         if all(self.kv.frontier(key, d) == start for d in range(1, self.num_loops)):
             return self.num_loops
