@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from specloop.kernels.int4_groups import quantize_k_groups, quantize_v_groups
-from specloop.kernels.packed_attention import (NEVER, PackedKV, packed_attention_reference, packed_attention_triton,
-                                               packed_splits)
+from specloop.kernels.packed_attention import packed_attention_reference, packed_attention_triton, packed_splits
+from specloop.kernels.packed_keys import PackedKV
+from specloop.kernels.packed_rows import NEVER
 from specloop.kernels.paged_attention import TILE_COLUMNS, block_g, choose_splits, paged_attention
 
 GROUP = 64

@@ -46,10 +46,13 @@ from pathlib import Path
 import torch
 
 from specloop.kernels.paged_attention import block_g, choose_splits, paged_attention, query_tiles
-from specloop.kernels.sparse_decode import (
-    SCRATCH_BYTES, Blocks, SlotState, _launch_scores, _launch_select, _num_sms, correction_splits, correction_triton,
-    decode_select, decode_source, key_budget, score_splits, scratch_rows, select_splits,
+from specloop.kernels.sparse_decode_common import Blocks, SlotState, _num_sms, key_budget
+from specloop.kernels.sparse_decode_correction import correction_splits, correction_triton
+from specloop.kernels.sparse_decode_select import _launch_select
+from specloop.kernels.sparse_decode_source import (
+    SCRATCH_BYTES, _launch_scores, decode_select, decode_source, score_splits, scratch_rows,
 )
+from specloop.kernels.sparse_decode_split_select import select_splits
 
 from packed_reader_sweep import time_ms  # noqa: E402 -- bench/ is the script's folder
 

@@ -23,19 +23,21 @@ import torch
 
 from specloop.kernels.int4_groups import quantize_k_groups, quantize_v_groups, split_k_plane
 from specloop.kernels.packed_attention import (
-    NEVER,
-    PackedKV,
-    key_seals,
     packed_attention,
     packed_attention_reference,
     packed_attention_triton,
     packed_splits,
+)
+from specloop.kernels.packed_keys import (
+    PackedKV,
+    key_seals,
     read_keys,
     read_keys_reference,
     read_keys_triton,
     reconstruct_keys,
     row_keys,
 )
+from specloop.kernels.packed_rows import NEVER
 from specloop.kernels.paged_attention import choose_splits
 from specloop.model.flashloop_reference import quantize_rows, read_kv, residual_encode, seal_positions
 

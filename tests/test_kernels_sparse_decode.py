@@ -35,11 +35,15 @@ from fractions import Fraction
 import pytest
 import torch
 
-from specloop.kernels.sparse_decode import (
-    Blocks, PackedRows, SlotState, _use_triton, check_capacity, correction_reference, correction_triton, decode_correction,
-    decode_select, decode_source, key_budget, key_budgets, scratch_keys, scratch_rows, source_reference, source_triton,
+from specloop.kernels.sparse_decode_common import (
+    Blocks, PackedRows, SlotState, _use_triton, check_capacity, key_budget, key_budgets,
 )
-from specloop.kernels.packed_attention import packed_attention, read_keys
+from specloop.kernels.sparse_decode_correction import correction_reference, correction_triton, decode_correction
+from specloop.kernels.sparse_decode_source import (
+    decode_select, decode_source, scratch_keys, scratch_rows, source_reference, source_triton,
+)
+from specloop.kernels.packed_attention import packed_attention
+from specloop.kernels.packed_keys import read_keys
 from specloop.kernels.paged_attention import block_g, paged_attention
 from tests.test_kernels_packed_attention import _case as _packed_case
 from specloop.model.flashloop_reference import (

@@ -20,7 +20,7 @@ from specloop.engine.core import EngineCore
 from specloop.engine.snapshot import SnapshotError
 from specloop.errors import ConfigError
 from specloop.flashloop.config import SparseDecodeAttention
-from specloop.kernels.sparse_decode import key_budget
+from specloop.kernels.sparse_decode_common import key_budget
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill
 from specloop.plan import Plan, RowGroup
 from specloop.runtime.forward_batch import ForwardBatchBuilder, _sparse_rows
@@ -285,7 +285,7 @@ def test_cuda_split_select_in_the_engine(any_ckpt, mode, graphs, monkeypatch):
     H200 picks at small batches and long contexts, gives the reference's tokens in the
     engine, eager and captured in graphs; forced to 3 splits here because these short
     contexts would keep one program."""
-    import specloop.kernels.sparse_decode as kernels
+    import specloop.kernels.sparse_decode_source as kernels  # `decode_select` reads `select_splits` here
 
     chosen = []
     monkeypatch.setattr(kernels, "select_splits", lambda *args: chosen.append(3) or 3)

@@ -1,9 +1,9 @@
 """Reading packed INT4 residual planes in plain PyTorch: rows, records, decode, seals and
 reconstruction. The one torch implementation behind the Triton kernels' references
-(`packed_attention`, `residual_encode`) and the runtime's torch path
+(`packed_keys`, `packed_attention`, `residual_encode`) and the runtime's torch path
 (`specloop.runtime.kv_residual.PackedResiduals`).
 
-The planes are a `PackedKV` (`packed_attention`): K / V records (`int4_groups` layouts),
+The planes are a `PackedKV` (`packed_keys`): K / V records (`int4_groups` layouts),
 each record's seal, and per request cell and plane the group tables (record of compact
 group g, a negative record: none) and row maps (compact row of each position, -1: none).
 Positions [M, ...] belong to cells [M]; a depth is an int or one per cell ([M]).

@@ -41,10 +41,11 @@ from collections.abc import Callable
 
 import torch
 
-from specloop.kernels.packed_attention import PackedKV
-from specloop.kernels.sparse_decode import (
-    SCRATCH_BYTES, PackedRows, SlotState, decode_correction, decode_select, decode_source, key_budget, scratch_keys,
-    scratch_rows,
+from specloop.kernels.packed_keys import PackedKV
+from specloop.kernels.sparse_decode_common import PackedRows, SlotState, key_budget
+from specloop.kernels.sparse_decode_correction import decode_correction
+from specloop.kernels.sparse_decode_source import (
+    SCRATCH_BYTES, decode_select, decode_source, scratch_keys, scratch_rows,
 )
 
 
