@@ -54,7 +54,8 @@ from specloop.checkpoint import load_model, load_tokenizer
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.flashloop.config import TokenSparsePrefill
-from specloop.runtime import sparse_prefill
+from specloop.flashloop.token_sparse_prefill import select as sparse_prefill
+from specloop.flashloop.token_sparse_prefill.device import WindowDevice
 from specloop.runtime.kv_format import PagedKV
 from specloop.sampling_params import SamplingParams
 
@@ -143,13 +144,13 @@ class KeptProbe:
     device until the run ends)."""
 
     def __init__(self, engine: EngineCore) -> None:
-        self.runner = engine.executor.runner
+        [self.windows] = [f for f in engine.features if isinstance(f, WindowDevice)]
         self.kept: list[tuple[int, int, int, torch.Tensor]] = []  # (start, depth, budget, mask)
-        self.runner.window_probe = lambda w, mask: self.kept.append((w.start, w.depth, w.budget, mask))
+        self.windows.probe = lambda w, mask: self.kept.append((w.start, w.depth, w.budget, mask))
 
     def remove(self) -> dict[tuple[int, int], list[int]]:
         """{(window start, depth): kept positions}; checks each kept set has its budget."""
-        self.runner.window_probe = None
+        self.windows.probe = None
         out = {}
         for start, depth, budget, mask in self.kept:
             positions = (start + torch.nonzero(mask.cpu()).flatten()).tolist()

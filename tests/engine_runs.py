@@ -98,3 +98,24 @@ def reference_logprobs(ckpt, prompt: list[int], tokens: list[int], feats: FlashL
     ids = torch.tensor(prompt + tokens[:-1])
     logits = flashloop_forward(weights, cfg, ids, len(prompt), feats, exit_threshold).logits
     return torch.log_softmax(logits[len(prompt) - 1:].double(), -1)
+
+
+def device_feature(engine: EngineCore, kind: type):
+    """The engine's FlashLoop feature device half of type `kind` (`EngineCore.features`)."""
+    found = [f for f in engine.features if isinstance(f, kind)]
+    assert len(found) == 1, f"the engine has {len(found)} {kind.__name__}"
+    return found[0]
+
+
+def residual_planes(engine: EngineCore):
+    """The INT4 residual planes (`PackedResiduals`) of an engine with kv_residual_quantization on."""
+    from specloop.flashloop.kv_residual.device import ResidualDevice
+
+    return device_feature(engine, ResidualDevice).store
+
+
+def decode_references(engine: EngineCore):
+    """The decode slots' reference state (`DecodeReferences`) of an engine with sparse decode attention on."""
+    from specloop.flashloop.sparse_decode.device import ReferencesDevice
+
+    return device_feature(engine, ReferencesDevice).references

@@ -17,7 +17,7 @@ from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.runtime.graphs import DEFAULT_BUCKETS
 from specloop.sampling_params import SamplingParams
-from tests.engine_runs import MODES, Outputs, assert_same, run_staggered
+from tests.engine_runs import MODES, Outputs, assert_same, residual_planes, run_staggered
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPTS = [[5, 9, 2], list(range(3, 80)), [7] * 11, list(range(200, 140, -1)), [1]]
@@ -66,7 +66,7 @@ def test_graph_replay_equals_eager_with_int4_residuals(tiny_ckpt, case):
     options = {**MODES[mode], "kv_residual_quantization": group}
     want = _run(_engine(tiny_ckpt, "cuda", enforce_eager=True, **options))
     engine = _engine(tiny_ckpt, "cuda", **options)
-    graphs, store = engine.executor.runner.graphs, engine.executor.runner.residuals
+    graphs, store = engine.executor.runner.graphs, residual_planes(engine)
     assert graphs is not None and graphs.graphs
     assert_same(_run(engine), want, 1e-3)
     assert graphs.replays > 0
@@ -110,7 +110,8 @@ def test_padding_rows_write_only_the_sinks(tiny_ckpt, mode):
     engine.add_request("r", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     engine.drain()  # the pool, the slots and the records hold real values
     runner, batches = engine.executor.runner, engine.executor.runner.batches
-    kv, slots, store = runner.backend.kv, runner.slots, runner.residuals
+    kv, slots = runner.backend.kv, runner.slots
+    store = residual_planes(engine) if mode in RESIDUAL else None
     sink_page, pad_slot = engine.kv.num_pages, batches.pad_slot
     tables = torch.zeros(batches.max_tables + 1, dtype=torch.long, device=device)
     tables[batches.pad_table] = sink_page

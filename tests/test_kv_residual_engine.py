@@ -23,6 +23,7 @@ from specloop.sampling_params import SamplingParams
 from specloop.runtime.kv_residual import NEVER
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS
 from tests.conftest import weights_of
+from tests.engine_runs import residual_planes
 
 MAX_TOKENS = 6
 TAIL = 5
@@ -131,7 +132,7 @@ def test_graph_shaped_passes_decode_what_exact_ones_decode(tiny_ckpt, policy, sp
     batches.build = counting
     assert _run(engine, prompts, stagger=True) == want
     assert any(shaped), "some pass was padded to a graph's cells"
-    store = engine.executor.runner.residuals
+    store = residual_planes(engine)
     assert int(store.rows[store.pad_cell].sum()) == 0 and int(store.encoded[store.pad_cell].sum()) == 0
     assert bool((store.group_tables[store.pad_cell] == store.sink).all())
 
@@ -139,7 +140,7 @@ def test_graph_shaped_passes_decode_what_exact_ones_decode(tiny_ckpt, policy, sp
 def _records_on_device(engine: EngineCore) -> None:
     """Every group a running request's device rows reach has a record, and it is the host's:
     records reach the device for every plane, however the planes grow."""
-    store = engine.executor.runner.residuals
+    store = residual_planes(engine)
     for req in engine.scheduler.running:
         tables = engine.kv.records.tables(req.kv_key)
         for p, rows in enumerate(store.rows[req.cell].tolist()):
@@ -522,7 +523,7 @@ def test_speculation_reads_what_serial_decoding_reads(mode):
 def _encoded_groups(engine: EngineCore):
     """(request, cell, plane, group, record, positions [64]) of every encoded group of the
     running requests."""
-    store = engine.executor.runner.residuals
+    store = residual_planes(engine)
     for req in engine.scheduler.running:
         for p in range(store.num_planes):
             for g in range(int(store.encoded[req.cell, p])):
@@ -537,7 +538,7 @@ def _fresh_encodings(engine: EngineCore) -> int:
     And every position whose tail page went back still reads packed (a rollback never
     unseals a group a given-back page needs). Returns how many groups it checked."""
     from specloop.kernels.residual_encode import encode_groups_reference
-    store, kv = engine.executor.runner.residuals, engine.executor.runner.backend.kv
+    store, kv = residual_planes(engine), engine.executor.runner.backend.kv
     names = ("k_codes", "k_scale", "k_lo", "v_codes", "v_scale", "v_lo")
     for req in engine.scheduler.running:
         for p in range(store.num_planes):
@@ -582,7 +583,7 @@ def test_execution_policy_seals_at_safe_points(tiny_ckpt):
     late, checked = [], []
 
     def look(engine: EngineCore) -> None:
-        store = engine.executor.runner.residuals
+        store = residual_planes(engine)
         for _, _, _, _, record, positions in _encoded_groups(engine):
             seal, serial = int(store.seal[record]), int(positions[-1]) + TAIL
             assert seal >= serial, (seal, serial)
@@ -604,7 +605,7 @@ def test_execution_policy_under_speculation_rolls_sealed_candidates_back(mode):
     group holds what its current rows encode to; pages and records all come back."""
     prompts = _spec_prompts()
     engine = _spec_engine(mode, {"tail": 2, "policy": "execution"})
-    store = engine.executor.runner.residuals
+    store = residual_planes(engine)
     unsealed = []
     truncate = store.truncate
 
@@ -690,14 +691,14 @@ def test_snapshots_right_after_rollbacks(policy, monkeypatch):
             snap = RequestSnapshot.from_bytes(engine.snapshot("a").to_bytes())
         except SnapshotError:
             break  # it finished as its tickets completed
-        live = engine.executor.runner.residuals
+        live = residual_planes(engine)
         assert torch.equal(live.rows[req.cell], (live.row_maps[req.cell] >= 0).sum(-1))
         if restored and not pending[-1]:
             continue  # restore the first snapshot and those that met a pending rollback
         fresh = make()
         fresh.restore(snap)
         restored += 1
-        copy = fresh.executor.runner.residuals
+        copy = residual_planes(fresh)
         other = fresh.scheduler.running[0]
         covered = engine.kv.coverage(req.kv_key)
         assert torch.equal(live.rows[req.cell], copy.rows[other.cell])

@@ -27,7 +27,7 @@ from specloop.runtime.forward_batch import ForwardBatchBuilder, _sparse_rows
 from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, paged_reader
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
-from tests.engine_runs import MODES, reference_logprobs, run_all, step_into
+from tests.engine_runs import MODES, decode_references, reference_logprobs, run_all, step_into
 
 RETENTION = 0.3
 MAX_TOKENS = 8
@@ -49,7 +49,7 @@ def _engine(ckpt, **kw) -> EngineCore:
 
 def _run(engine: EngineCore, prompts, params=GREEDY) -> dict[str, tuple[list[int], list[float]]]:
     out = run_all(engine, prompts, params)
-    assert int(engine.executor.runner.slots.references.fallbacks) == 0, "a correction found no reference state"
+    assert int(decode_references(engine).fallbacks) == 0, "a correction found no reference state"
     return out
 
 
@@ -164,7 +164,7 @@ def test_preemption_resumes_exactly(tiny_ckpt, policy, mode):
         assert step < 2000
     assert preempted >= 3
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
-    assert int(engine.executor.runner.slots.references.fallbacks) == 0
+    assert int(decode_references(engine).fallbacks) == 0
     _check(tiny_ckpt, out)
 
 
@@ -190,7 +190,7 @@ def test_snapshot_restores_live_reference_state(tiny_ckpt, mode):
     tokens = emitted[:]
     for o in other.drain():
         tokens.extend(o.token_ids)
-    assert int(other.executor.runner.slots.references.fallbacks) == 0
+    assert int(decode_references(other).fallbacks) == 0
     want = reference_logprobs(tiny_ckpt, PROMPTS[0], tokens, _features())
     assert tokens == want.argmax(-1).tolist()
 
@@ -225,7 +225,7 @@ def test_triton_fallback_runs_missing_rows_dense(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(DecodeReferences, "_source", forget)
     engine = _engine(tiny_ckpt, attention_backend="triton")
     got = run_all(engine, PROMPTS[:2], INTERPRETED)
-    assert int(engine.executor.runner.slots.references.fallbacks) > 0
+    assert int(decode_references(engine).fallbacks) > 0
     for i, prompt in enumerate(PROMPTS[:2]):
         tokens, logprobs = got[f"r{i}"]
         want = reference_logprobs(tiny_ckpt, prompt, tokens, _features(sparse_decode=False))
@@ -239,7 +239,7 @@ def test_stats_report_the_group_and_its_state(tiny_ckpt, monkeypatch):
     the fallback count reach `stats()`; `/metrics` exports them (test_server)."""
     engine = _engine(tiny_ckpt)
     _run(engine, PROMPTS[:1])
-    stats, refs = engine.stats(), engine.executor.runner.slots.references
+    stats, refs = engine.stats(), decode_references(engine)
     cfg = engine.model.config
     assert stats.sparse_decode_attention == {"enabled": True, "key_retention": RETENTION}
     assert stats.sparse_decode_fallbacks == 0
@@ -248,7 +248,7 @@ def test_stats_report_the_group_and_its_state(tiny_ckpt, monkeypatch):
         RETENTION, torch.float32) > 0  # the torch backend: no scratch
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # (constructed only, for the scratch's bytes)
     triton = _engine(tiny_ckpt, attention_backend="triton")
-    tr = triton.executor.runner.slots.references
+    tr = decode_references(triton)
     assert tr.nbytes_held == triton.stats().sparse_decode_reference_bytes == DecodeReferences.nbytes(
         tr.num_slots, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, triton.max_model_len,
         RETENTION, torch.float32, triton.config.max_num_batched_tokens) > refs.nbytes_held

@@ -23,14 +23,15 @@ from specloop.engine.core import EngineCore
 from specloop.errors import ConfigError
 from specloop.flashloop.config import TokenSparsePrefill
 from specloop.model.flashloop_reference import FlashLoopFeatures, SparsePrefill, flashloop_forward, flashloop_greedy
-from specloop.runtime import sparse_prefill
+from specloop.flashloop.token_sparse_prefill import select as sparse_prefill
 from specloop.scheduling.prompts import DensePrompts
+from specloop.flashloop.token_sparse_prefill.device import WindowDevice
 from specloop.runtime.forward_batch import WindowBatch, WindowRows
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from tests.conftest import weights_of
-from tests.engine_runs import forbid_syncs, run_all, step_into
+from tests.engine_runs import device_feature, forbid_syncs, run_all, step_into
 
 MAX_TOKENS = 5
 _g = torch.Generator().manual_seed(0)
@@ -56,7 +57,7 @@ class Probe:
     def __init__(self, engine: EngineCore, window: int) -> None:
         self.kept: dict[tuple[str, int, int], list[int]] = {}
         self.window = window
-        engine.executor.runner.window_probe = self
+        device_feature(engine, WindowDevice).probe = self
 
     def __call__(self, w: WindowRows, mask: torch.Tensor) -> None:
         key = (w.request_id, w.depth + 1, w.start // self.window)
@@ -265,8 +266,8 @@ def test_full_retention_and_off_take_the_dense_path(tiny_ckpt):
         engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cpu", dtype="float32",
                                                      num_kv_pages=512, block_size=4, token_sparse_prefill=group))
         assert isinstance(engine.scheduler.prompts, DensePrompts) and engine.executor.runner.slots.previous.shape[1] == 0
-        probe = Probe(engine, 8)
-        assert _run(engine, PROMPTS) == want and not probe.kept
+        assert not [f for f in engine.features if isinstance(f, WindowDevice)], "no window selection runs"
+        assert _run(engine, PROMPTS) == want
 
 
 # ---- the selection step alone ---------------------------------------------------------------

@@ -24,8 +24,11 @@ from specloop.engine.executor import Executor
 from specloop.engine.snapshot import CellPart, KVPagesPart, SlotsPart, Snapshotter
 from specloop.errors import ConfigError, SpecloopError
 from specloop.flashloop.config import summary as group_summary
+from specloop.flashloop.kv_residual.device import ResidualDevice
 from specloop.flashloop.kv_residual.feature import KVResidualFeature
+from specloop.flashloop.sparse_decode.device import ReferencesDevice
 from specloop.flashloop.sparse_decode.feature import SparseDecodeFeature
+from specloop.flashloop.token_sparse_prefill.device import WindowDevice
 from specloop.flashloop.token_sparse_prefill.feature import TokenSparsePrefillFeature
 from specloop.flashloop.token_sparse_prefill.host import WindowedPrompts
 from specloop.model.ouro import OuroModel
@@ -38,6 +41,7 @@ from specloop.runtime.forward_batch import ForwardBatchBuilder
 from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.runner import Runner
+from specloop.runtime.slot_storage import SlotStorage
 from specloop.scheduling.kv_manager import KVManager
 from specloop.scheduling.request import Request
 from specloop.scheduling.scheduler import Scheduler
@@ -59,6 +63,7 @@ class EngineParts:
     speculation: RoundController | TokenPipeline | None
     speculation_heads: SpeculationHeads | None
     snapshots: Snapshotter
+    features: list[Any]  # the FlashLoop features' device halves (`DeviceFeature`), as the runner calls them
     num_pages: int
     page_bytes: int
     graphed: bool
@@ -120,8 +125,15 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
                                   pad_slot=num_token_slots, window_slots=window_slots, residual_ints=residual_ints,
                                   residual_tail=residual.execution_tail if residual is not None else None,
                                   sparse_decode=bool(decode_slots))
-    runner = Runner(model, backend, batches, num_token_slots, config.max_num_seqs, threshold, config.seed, heads,
-                    token_sparse=sparse, residuals=residuals, references=references)
+    slots = SlotStorage(num_token_slots + 1, mcfg.hidden_size, model.dtype, device, keep_previous=sparse.active)
+    features: list[Any] = []  # device halves, in the order they run
+    if residuals is not None:
+        features.append(ResidualDevice(residuals, config.max_num_seqs, config.block_size, device))
+    if sparse.active:
+        features.append(WindowDevice(slots, store))
+    if references is not None:
+        features.append(ReferencesDevice(references))
+    runner = Runner(model, backend, batches, slots, config.max_num_seqs, threshold, config.seed, heads, features)
     if graphed:
         runner.use_graphs(LoopGraphs(runner.run_pass, batches, mcfg.hidden_size, model.dtype, threshold < 1.0,
                                      mcfg.num_key_value_heads, max_model_len, num_pages, device))
@@ -134,8 +146,8 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
              decode.snapshot_part(references) if decode is not None else Absent("references", SparseDecodeFeature.option),
              CellPart(runner.next_token, draft)]
     snapshots = Snapshotter(fingerprint(config, model, store.name, threshold), config.summary(), scheduler, parts)
-    return EngineParts(kv, scheduler, backend, Executor(runner), speculation, speculation_heads, snapshots, num_pages,
-                       page_bytes, graphed)
+    return EngineParts(kv, scheduler, backend, Executor(runner), speculation, speculation_heads, snapshots, features,
+                       num_pages, page_bytes, graphed)
 
 
 def fingerprint(config: EngineConfig, model: OuroModel, kv_format: str, threshold: float) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class EngineCore:
         self.kv, self.scheduler, self.backend, self.executor = parts.kv, parts.scheduler, parts.backend, parts.executor
         self.speculation_heads = parts.speculation_heads
         self.snapshots = parts.snapshots
+        self.features = parts.features
         speculation = parts.speculation
         self.metrics = SpeculationMetrics(max(speculation.draft_width if speculation else 0, 1))
         self.requests: dict[str, Request] = {}
@@ -296,7 +297,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         m = self.metrics
         records, held = self.kv.records, set(self.kv.requests())
-        refs = self.executor.runner.slots.references
+        features = {k: v for f in self.features for k, v in f.stats().items()}
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
                            m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions,
@@ -307,8 +308,7 @@ class EngineCore:
                            {r.request_id: self.kv.bytes_used(r.kv_key) for r in self.scheduler.running
                             if r.kv_key in held},
                            sparse_decode_attention=group_summary(self.config.sparse_decode_attention),
-                           sparse_decode_fallbacks=int(refs.fallbacks_host) if refs is not None else 0,
-                           sparse_decode_reference_bytes=refs.nbytes_held if refs is not None else 0)
+                           **features)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

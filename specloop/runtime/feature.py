@@ -78,3 +78,24 @@ class Sizing:
     def rows_per_request(self) -> int:
         """Rows one request may run in one call past its committed tokens (1 without speculation)."""
         return self.speculation.rows_per_request if self.speculation is not None else 1
+
+
+class DeviceFeature(Protocol):
+    """A FlashLoop feature's device half: what the runner calls around one forward call, in
+    the order the composition root lists the features. Nothing here may read a device value
+    back to the host."""
+
+    def prepare(self, batch: Any) -> None:
+        """Before any row is embedded or read (`ForwardBatch`): apply what the plan brings."""
+
+    def start_pass(self, lp: Any, keep: torch.Tensor | None) -> None:
+        """Before the backend builds loop pass `lp` (`LoopPass`; `keep`: rows whose token
+        exited, adaptive exit): inside a CUDA graph's capture too."""
+
+    def finish(self, batch: Any, final: torch.Tensor) -> torch.Tensor | None:
+        """After the last pass, before the heads (`final`: each row's output after its last
+        loop, which this may amend). Returns a device tensor the ticket hands the host (a
+        packed format's releasable tail pages, `TicketOutput.released`), else None."""
+
+    def stats(self) -> dict[str, int]:
+        """The feature's `EngineStats` fields, from host copies (no device read)."""

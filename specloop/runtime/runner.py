@@ -4,10 +4,10 @@ It owns the device state between calls: the KV pages (behind the attention backe
 token slot storage (each live token's hidden state, exit state, depth, candidate and
 incarnation) and each request cell's next token. A call is
 
-    forward batch (one upload) -> sparse prefill windows pick their rows -> embed entering rows ->
-    per loop pass p: rows [0, N_p) through one loop (the backend) -> adaptive exit -> store slots
-    -> heads (by head type, from the registry, on each group's output after its last loop)
-    -> host copies
+    forward batch (one upload) -> features prepare (sparse prefill windows pick their rows) ->
+    embed entering rows -> per loop pass p: features start the pass, rows [0, N_p) through one
+    loop (the backend) -> adaptive exit -> store slots -> features finish -> heads (by head
+    type, from the registry, on each group's output after its last loop) -> host copies
 
 Pass p runs the groups with more than p loops (`RowGroup.loops`), whose rows lead the batch,
 so a plain decode token runs every loop in one call and one plan.
@@ -15,28 +15,27 @@ so a plain decode token runs every loop in one call and one plan.
 Nothing here reads a device value back to the CPU: sizes come from the plan, sampled
 tokens stay on the device for the next plan and are copied to pinned host memory behind a
 CUDA event for the commit. The runner names no speculation mode: the heads it runs are
-registered by type (`SampleHead` here, the speculation heads from `specloop.pipeline`).
-On CPU the same code simply runs synchronously.
+registered by type (`SampleHead` here, the speculation heads from `specloop.pipeline`), and
+it names no FlashLoop feature: their device halves (`DeviceFeature`, from the composition
+root) are called around the call. On CPU the same code simply runs synchronously.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
-from specloop.flashloop.config import SCORE_EPS, TokenSparsePrefill
 from specloop.model.exit_gate import exit_step
 from specloop.model.ouro import OuroModel
-from specloop.runtime import sparse_prefill
+from specloop.plan import Plan, RowGroup, Sample, Verify
 from specloop.runtime.attention import AttentionBackend, Bound
-from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass, ReleaseBatch
+from specloop.runtime.feature import DeviceFeature
+from specloop.runtime.forward_batch import ForwardBatch, ForwardBatchBuilder, LoopPass
 from specloop.runtime.graphs import LoopGraphs
 from specloop.runtime.heads import DeviceHead, HeadContext, HostResults, SampleHead
-from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
 from specloop.runtime.slot_storage import SlotStorage
-from specloop.runtime.sparse_decode import DecodeReferences
-from specloop.plan import Plan, RowGroup, Sample, Verify
 
 
 @dataclasses.dataclass
@@ -54,16 +53,15 @@ class TicketOutput:
     logprobs: torch.Tensor | None  # [S, W] on the host
     event: torch.cuda.Event | None  # None on CPU: already complete
     released: torch.Tensor | None = None  # [C, P] long on the host: each plan.releases entry's
-    # leading tail pages no query reads exact any more (INT4 residuals)
+    # leading tail pages no query reads exact any more (a format that gives tails back: INT4 residuals)
 
 
 class Runner:
     def __init__(self, model: OuroModel, backend: AttentionBackend, batches: ForwardBatchBuilder,
-                 num_token_slots: int, max_cells: int, exit_threshold: float, engine_seed: int,
-                 heads: dict[type, DeviceHead] | None = None, token_sparse: TokenSparsePrefill | None = None,
-                 residuals: PackedResiduals | None = None, references: DecodeReferences | None = None) -> None:
-        """The slot storage holds one extra slot, `num_token_slots`: the sink padding rows
-        write (the forward batch's `pad_slot`)."""
+                 slots: SlotStorage, max_cells: int, exit_threshold: float, engine_seed: int,
+                 heads: dict[type, DeviceHead] | None = None, features: Sequence[DeviceFeature] = ()) -> None:
+        """`slots`: the token slot storage, with one slot past the pool's: the sink padding
+        rows write (the forward batch's `pad_slot`)."""
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -73,31 +71,19 @@ class Runner:
         self.backend = backend
         self.batches = batches
         self.graphs: LoopGraphs | None = None  # set by `use_graphs`
-        sparse = token_sparse is not None and token_sparse.active
-        self.slots = SlotStorage(num_token_slots + 1, cfg.hidden_size, model.dtype, self.device, keep_previous=sparse,
-                                 references=references)
+        self.slots = slots
+        self.features = list(features)
         self.next_token = torch.zeros(max_cells, dtype=torch.long, device=self.device)
         self.heads: dict[type, DeviceHead] = {Sample: SampleHead(), **(heads or {})}
         self.context = HeadContext(model, self.next_token, engine_seed)
         self._pin = self.device.type == "cuda"
-        self.residuals = residuals  # INT4 cross-loop KV residual planes (the backend reads them too)
-        # Per request cell and the pad cell: rows at positions below it are committed (set by
-        # every call's plan).
-        self._committed = torch.full((max_cells + 1,), 2**62, dtype=torch.long, device=self.device)
-        # Tests only: called with (window rows, the window's kept mask) after each selection.
-        self.window_probe: sparse_prefill.Probe | None = None
 
     @torch.inference_mode()
     def execute(self, plan: Plan) -> TicketOutput:
         batch = self.batches.build(plan)
         slots = self.slots
-        if batch.residual_update is not None:  # before anything appends rows
-            self.residuals.apply(batch.residual_update)
-        if batch.release is not None:
-            self._committed[batch.release.cells] = batch.release.committed
-        if batch.windows is not None:  # before anything reads the rows' slots or positions
-            sparse_prefill.run(slots, self.backend.kv, batch.windows, batch.token_slots, batch.passes[0], batch.tables,
-                               batch.page_size, SCORE_EPS, self.window_probe)
+        for feature in self.features:  # before anything reads the rows' slots or positions
+            feature.prepare(batch)
         hidden = slots.hidden[batch.token_slots]
         if batch.enter_rows is not None:  # depth-0 rows: embed into fresh slots
             enter = batch.enter_rows
@@ -124,15 +110,11 @@ class Runner:
                     final = out.new_empty(batch.num_rows, out.shape[1])
                 final[done: lp.num_rows] = out[done:]
             hidden = out
-        for w in batch.windows.windows if batch.windows is not None else ():  # the prompt's last token
-            if w.head:  # samples from its state, run here or not (slices: a 0-d device index reads back)
-                last = w.first + w.rows
-                final[last - 1: last] = slots.hidden[w.window_slots[-1:]]
-        if slots.references is not None:
-            slots.references.publish()  # before the heads record the ticket's event
         released = None  # copied before the heads record the ticket's event
-        if batch.release is not None and batch.release.span > 0:
-            released = _to_host(self._releasable(batch.release), self._pin)
+        for feature in self.features:
+            found = feature.finish(batch, final)
+            if found is not None:
+                released = _to_host(found, self._pin)
         out = self._heads(batch, final)
         if released is not None:
             out.released = released
@@ -141,74 +123,20 @@ class Runner:
                 out.event.record()
         return out
 
-    def _releasable(self, scan: ReleaseBatch) -> torch.Tensor:
-        """[C, P]: leading pages of each scanned (request, plane) whose every position reads
-        its packed groups from the plane's frontier on (so no query will read it exact, and
-        no copy or encoding reads it)."""
-        store, bs = self.residuals, self.batches.page_size
-        span = torch.arange(scan.span, device=scan.cells.device)
-        out = []
-        for p in range(store.num_planes):
-            positions = (scan.released[:, p, None] * bs + span).clamp(max=store.max_len - 1)
-            ok = store.seals(scan.cells, p, positions) <= scan.frontiers[:, p, None]
-            whole = ok.view(ok.shape[0], -1, bs).all(-1).long()  # [C, span / bs] pages
-            out.append(scan.released[:, p] + whole.cumprod(-1).sum(-1))
-        return torch.stack(out, 1)
-
     def run_pass(self, lp: LoopPass, hidden: torch.Tensor) -> torch.Tensor:
         """One loop over the pass's rows: attention through the backend, adaptive exit, slot
         writes (eager, or the body a CUDA graph captures)."""
         slots = self.slots
         rows = lp.token_slots
         keep = slots.exited[rows] if self.adaptive_exit else None
-        if lp.residual is not None:  # the pass's rows join their planes; groups that turn ready seal
-            lp.encode_plan = self._residual_pass(lp, keep)
+        for feature in self.features:
+            feature.start_pass(lp, keep)
         meta = self.backend.build(lp, keep)
         out = self.model.loop(hidden, lp.positions, Bound(self.backend, meta))
         if self.adaptive_exit:
             out = self._exit(lp, rows, out, keep)
         slots.advance(rows, lp.depths, out)
         return out
-
-    def _residual_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> EncodePlan:
-        """Append the pass's rows that write K/V (not exited; padding rows of a graph's bucket
-        append nothing) and plan which groups encode."""
-        store, info = self.residuals, lp.residual
-        active = info.cells != store.pad_cell
-        if keep is not None:
-            active &= ~keep
-        store.append(info.cells, lp.depths, lp.positions, active)
-        k = info.candidates
-        cells = info.pass_cells.repeat_interleave(k)
-        span = torch.arange(k, device=cells.device).repeat(info.pass_cells.numel())
-        # Planes that cannot change are left out (no launches): below the pass's shallowest
-        # row nothing was appended and no predecessor moved (a committed length advances only
-        # for a speculating request, whose every plan has a depth-0 row); under the execution
-        # policy a group seals only in a pass with queries at its plane.
-        if store.policy == "execution":
-            planes = set(info.depths)
-        else:
-            planes = set(range(min(info.depths, default=store.num_planes), store.num_planes))
-        plan = EncodePlan([], [], [], [])
-        none = cells[:0]
-        for p in range(store.num_planes):
-            if p not in planes:
-                for field in (plan.cells, plan.groups, plan.table_offsets):
-                    field.append(none)
-                plan.valid.append(none.bool())
-                continue
-            offsets = info.plane_tables[:, p].repeat_interleave(k)
-            plan.cells.append(cells)
-            plan.groups.append(store.encoded[cells, p] + span)
-            plan.table_offsets.append(offsets)
-            plan.valid.append(offsets >= 0)
-        first = None
-        if store.policy == "execution":  # the pass's first query per (cell, plane): its safe point
-            first = torch.full((store.rows.shape[0] * store.num_planes,), NEVER, dtype=torch.long,
-                               device=cells.device)
-            first.scatter_reduce_(0, info.cells * store.num_planes + lp.depths, lp.positions.long(), reduce="amin")
-            first = first.view(-1, store.num_planes)
-        return store.plan_encode(plan, self._committed, first)
 
     def use_graphs(self, graphs: LoopGraphs) -> None:
         """Replay loop passes that fit a bucket through `graphs` (captured here, now)."""

@@ -17,7 +17,8 @@ loop picked it (-1: none yet).
 
 With sparse decode attention the decode sub-pool's slots (the first ones, taken by
 generated tokens) also own a loop-2 reference state (kept keys, mass, O_ref, C_ref per
-layer and query head: `sparse_decode.DecodeReferences`), marked missing when a token enters.
+layer and query head), held by that feature beside this storage (`DecodeReferences`) and
+marked missing when a token enters.
 
 A token keeps its slot from entering loop 1 until it leaves the last loop, so when a
 token pipeline shifts (its oldest token finishes, a new one enters) the survivors'
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import torch
 
-from specloop.runtime.sparse_decode import DecodeReferences
-
 
 class SlotStorage:
     # What a live token carries, and so what a request snapshot saves per live slot (the
@@ -39,10 +38,9 @@ class SlotStorage:
     CARRIED = ("hidden", "previous", "selected", "survival", "exited", "depth", "candidate")
 
     def __init__(self, num_slots: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 keep_previous: bool = False, references: DecodeReferences | None = None) -> None:
-        """`keep_previous`: token-sparse prefill is on (else `previous` is [num_slots, 0]);
-        `references`: the decode slots' reference state (sparse decode attention)."""
-        self.references = references
+                 keep_previous: bool = False) -> None:
+        """`keep_previous`: keep each slot's hidden state before its last loop (token-sparse
+        prefill's change score; else `previous` is [num_slots, 0])."""
         self.hidden = torch.zeros(num_slots, hidden_size, dtype=dtype, device=device)
         self.previous = torch.zeros(num_slots, hidden_size if keep_previous else 0, dtype=dtype, device=device)
         self.selected = torch.full((num_slots,), -1, dtype=torch.long, device=device)
@@ -60,8 +58,6 @@ class SlotStorage:
         self.selected.index_fill_(0, slots, -1)
         self.candidate[slots] = token_ids
         self.incarnation[slots] = incarnations
-        if self.references is not None:
-            self.references.enter(slots)
 
     def advance(self, slots: torch.Tensor, depths: torch.Tensor, hidden: torch.Tensor) -> None:
         """Rows that ran loop `depth + 1` store their new state (keeping the old one in

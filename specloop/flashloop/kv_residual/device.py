@@ -1,0 +1,91 @@
+"""The INT4 residual planes' device half of a forward call (`DeviceFeature`): the plan's
+record updates and committed lengths before anything appends rows, each pass's appends and
+encoding plan, and after the passes the tail pages no query reads exact any more."""
+
+from __future__ import annotations
+
+import torch
+
+from specloop.runtime.forward_batch import ForwardBatch, LoopPass, ReleaseBatch
+from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
+
+
+class ResidualDevice:
+    def __init__(self, store: PackedResiduals, max_cells: int, page_size: int, device: torch.device) -> None:
+        self.store = store
+        self.page_size = page_size
+        # Per request cell and the pad cell: rows at positions below it are committed (set by
+        # every call's plan).
+        self.committed = torch.full((max_cells + 1,), 2**62, dtype=torch.long, device=device)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.residual_update is not None:  # before anything appends rows
+            self.store.apply(batch.residual_update)
+        if batch.release is not None:
+            self.committed[batch.release.cells] = batch.release.committed
+
+    def start_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> None:
+        if lp.residual is not None:  # the pass's rows join their planes; groups that turn ready seal
+            lp.encode_plan = self._plan(lp, keep)
+
+    def _plan(self, lp: LoopPass, keep: torch.Tensor | None) -> EncodePlan:
+        """Append the pass's rows that write K/V (not exited; padding rows of a graph's bucket
+        append nothing) and plan which groups encode."""
+        store, info = self.store, lp.residual
+        active = info.cells != store.pad_cell
+        if keep is not None:
+            active &= ~keep
+        store.append(info.cells, lp.depths, lp.positions, active)
+        k = info.candidates
+        cells = info.pass_cells.repeat_interleave(k)
+        span = torch.arange(k, device=cells.device).repeat(info.pass_cells.numel())
+        # Planes that cannot change are left out (no launches): below the pass's shallowest
+        # row nothing was appended and no predecessor moved (a committed length advances only
+        # for a speculating request, whose every plan has a depth-0 row); under the execution
+        # policy a group seals only in a pass with queries at its plane.
+        if store.policy == "execution":
+            planes = set(info.depths)
+        else:
+            planes = set(range(min(info.depths, default=store.num_planes), store.num_planes))
+        plan = EncodePlan([], [], [], [])
+        none = cells[:0]
+        for p in range(store.num_planes):
+            if p not in planes:
+                for field in (plan.cells, plan.groups, plan.table_offsets):
+                    field.append(none)
+                plan.valid.append(none.bool())
+                continue
+            offsets = info.plane_tables[:, p].repeat_interleave(k)
+            plan.cells.append(cells)
+            plan.groups.append(store.encoded[cells, p] + span)
+            plan.table_offsets.append(offsets)
+            plan.valid.append(offsets >= 0)
+        first = None
+        if store.policy == "execution":  # the pass's first query per (cell, plane): its safe point
+            first = torch.full((store.rows.shape[0] * store.num_planes,), NEVER, dtype=torch.long,
+                               device=cells.device)
+            first.scatter_reduce_(0, info.cells * store.num_planes + lp.depths, lp.positions.long(), reduce="amin")
+            first = first.view(-1, store.num_planes)
+        return store.plan_encode(plan, self.committed, first)
+
+    def finish(self, batch: ForwardBatch, final: torch.Tensor) -> torch.Tensor | None:
+        if batch.release is not None and batch.release.span > 0:
+            return self._releasable(batch.release)
+        return None
+
+    def _releasable(self, scan: ReleaseBatch) -> torch.Tensor:
+        """[C, P]: leading pages of each scanned (request, plane) whose every position reads
+        its packed groups from the plane's frontier on (so no query will read it exact, and
+        no copy or encoding reads it)."""
+        store, bs = self.store, self.page_size
+        span = torch.arange(scan.span, device=scan.cells.device)
+        out = []
+        for p in range(store.num_planes):
+            positions = (scan.released[:, p, None] * bs + span).clamp(max=store.max_len - 1)
+            ok = store.seals(scan.cells, p, positions) <= scan.frontiers[:, p, None]
+            whole = ok.view(ok.shape[0], -1, bs).all(-1).long()  # [C, span / bs] pages
+            out.append(scan.released[:, p] + whole.cumprod(-1).sum(-1))
+        return torch.stack(out, 1)
+
+    def stats(self) -> dict[str, int]:
+        return {}
