@@ -24,7 +24,8 @@ from specloop.kernels.sparse_decode_common import key_budget
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill
 from specloop.plan import Plan, RowGroup
 from specloop.runtime.forward_batch import ForwardBatchBuilder, _sparse_rows
-from specloop.runtime.sparse_decode import DecodeReferences, SparseRows, paged_reader
+from specloop.runtime.kv_format import paged_reader
+from specloop.runtime.sparse_decode import DecodeReferences, SparseRows
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
 from tests.engine_runs import MODES, decode_references, reference_logprobs, run_all, step_into

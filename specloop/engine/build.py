@@ -26,6 +26,8 @@ from specloop.errors import ConfigError, SpecloopError
 from specloop.flashloop.config import summary as group_summary
 from specloop.flashloop.kv_residual.device import ResidualDevice
 from specloop.flashloop.kv_residual.feature import KVResidualFeature
+from specloop.flashloop.kv_residual.format import PackedPlanes
+from specloop.flashloop.sparse_decode.attention import SparseDecodeStep
 from specloop.flashloop.sparse_decode.device import ReferencesDevice
 from specloop.flashloop.sparse_decode.feature import SparseDecodeFeature
 from specloop.flashloop.token_sparse_prefill.device import WindowDevice
@@ -113,11 +115,12 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
                           prompts=WindowedPrompts(sparse) if sparse.active else None, decode_slots=decode_slots)
     scheduler.swap_out, scheduler.swap_in = swap_out, swap_in
     # One page past the KV manager's: the sink padding rows of a CUDA graph write.
-    store = PagedKV(mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads,
-                    mcfg.head_dim, model.dtype, device)
+    shape = (mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim,
+             model.dtype, device)
+    store = PackedPlanes(*shape, residuals) if residuals is not None else PagedKV(*shape)
     references = decode.references() if decode is not None else None
     backend = make_backend(config.attention_backend, store, device, mcfg.num_attention_heads,
-                           mcfg.num_key_value_heads, residuals, references)
+                           mcfg.num_key_value_heads, SparseDecodeStep(references) if references is not None else None)
     graphed = device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
     buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
     batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, -(-max_model_len // config.block_size),
@@ -136,7 +139,7 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
     runner = Runner(model, backend, batches, slots, config.max_num_seqs, threshold, config.seed, heads, features)
     if graphed:
         runner.use_graphs(LoopGraphs(runner.run_pass, batches, mcfg.hidden_size, model.dtype, threshold < 1.0,
-                                     mcfg.num_key_value_heads, max_model_len, num_pages, device))
+                                     mcfg.num_key_value_heads, max_model_len, num_pages, device, store))
     speculation_heads = next(iter(heads.values())) if heads else None
     draft = (speculation_heads.draft_tokens, speculation_heads.draft_probs) if speculation_heads else None
     parts = [KVPagesPart(kv, store),

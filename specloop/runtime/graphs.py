@@ -38,9 +38,8 @@ from collections.abc import Callable
 
 import torch
 
-from specloop.kernels.packed_attention import packed_splits
-from specloop.kernels.paged_attention import choose_splits
 from specloop.runtime.forward_batch import ForwardBatchBuilder, LoopPass, PassLayout, pass_view
+from specloop.runtime.kv_format import PagedKV
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +61,9 @@ class LoopGraphs:
 
     def __init__(self, run_pass: Callable[[LoopPass, torch.Tensor], torch.Tensor], batches: ForwardBatchBuilder,
                  hidden_size: int, dtype: torch.dtype, adaptive_exit: bool, num_kv_heads: int, max_context: int,
-                 sink_page: int, device: torch.device) -> None:
+                 sink_page: int, device: torch.device, kv: PagedKV) -> None:
         """One graph per bucket of `batches` (whose passes it replays: their layouts and the
-        small query tiles are the builder's)."""
+        small query tiles are the builder's); `kv`: the KV format (its split-KV per bucket)."""
         self.run_pass = run_pass
         self.batches = batches
         self.buckets = batches.buckets
@@ -74,8 +73,7 @@ class LoopGraphs:
         self.tables = torch.zeros(batches.max_tables + 1, dtype=torch.long, device=device)
         self.tables[batches.pad_table] = sink_page  # the pad table entry
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        pick = packed_splits if batches.residual else choose_splits  # residual passes read packed
-        self.splits = {b: pick(b, num_kv_heads, max_context, sms) for b in self.buckets}
+        self.splits = {b: kv.splits(b, num_kv_heads, max_context, sms) for b in self.buckets}
         self.max_context = max_context
         # Per (bucket, whether the pass has sparse decode rows): passes without them (loop 1,
         # prompts) skip that work, which a graph would otherwise launch over padding. With INT4

@@ -3,17 +3,35 @@
 K and V are [L, num_pages * page_size, Hkv, D]; a KV slot is page * page_size + offset.
 Every depth plane of every request draws pages from this one pool; the logical KV manager
 (`specloop.scheduling.kv_manager`) decides which. The KV manager sizes its pool with
-`page_bytes`, the format's answer to "what does one page of one plane cost", so a packed
-format (INT4 residuals) only has to answer differently. Backends read and write through
-`write`, `read` and `inherit`.
+`page_bytes`, the format's answer to "what does one page of one plane cost".
+
+A format is one object the backends use without asking which it is: it stores a layer's
+rows (`write`, `encode`), attends for the torch reference (`single_keys`,
+`group_attention`) and the Triton fast path (`attention`, `splits`), and says where the
+keys a set of rows reads sit (`key_reader`, for sparse decode attention's kernels). A
+packed format (INT4 residuals, `specloop.flashloop.kv_residual.format`) answers each of
+these its own way; `pass_state` is what it derives once per loop pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from torch.nn import functional as F
 
 from specloop.kernels import DTYPES as KERNEL_DTYPES
 from specloop.kernels.kv_write import kv_write, kv_write_reference
+from specloop.kernels.paged_attention import choose_splits, paged_attention
+from specloop.kernels.sparse_decode_common import PackedRows
+
+KeyReader = Callable[[torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, PackedRows | None]]
+"""Rows r [n] -> (K, V [S, Hkv, D], page tables, each row's table offset [n], page size, and
+`PackedRows` or None): where the keys of rows r sit as they read them: the BF16 pool, or
+INT4 residual planes (then K and V are the planes' BF16 tails, and the kernels read each key
+exact from them or reconstructed from the records, as the row reads it)."""
 
 
 class PagedKV:
@@ -59,3 +77,60 @@ class PagedKV:
         m = mask[None, :, None, None]
         self.k[:, dst] = torch.where(m, self.k[:, src], self.k[:, dst])
         self.v[:, dst] = torch.where(m, self.v[:, src], self.v[:, dst])
+
+    # ---- what the backends ask of a format ------------------------------------------
+    def pass_state(self, lp: Any) -> Any:
+        """What the format derives once per loop pass (`LoopPass`): pages need nothing."""
+        return None
+
+    def encode(self, layer: int, state: Any) -> None:
+        """After a layer's rows are written, before anyone reads them: pages store as written."""
+
+    def single_keys(self, layer: int, key_slots: torch.Tensor, rows: slice, state: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [G, L, Hkv, D] a run of single-row groups (rows) reads at `key_slots` [G, L]."""
+        return self.read(layer, key_slots)
+
+    def group_attention(self, layer: int, q: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor,
+                        rows: slice, scale: float, state: Any) -> torch.Tensor:
+        """The torch reference's attention of one group's rows q [n, Hq, D] over its keys at
+        `key_slots` [Lk] (mask [n, Lk]: which key each query may read)."""
+        keys, values = self.read(layer, key_slots)
+        return sdpa(q, keys, values, mask, scale)
+
+    def splits(self, num_tiles: int, num_kv_heads: int, longest: int, num_sms: int) -> int:
+        """Split-KV of the Triton launch for a pass of `num_tiles` query tiles."""
+        return choose_splits(num_tiles, num_kv_heads, longest, num_sms)
+
+    def attention(self, layer: int, q: torch.Tensor, meta: Any, state: Any, out: torch.Tensor | None,
+                  return_lse: bool, scores: torch.Tensor | None, score_rows: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The Triton launch over the pass's query tiles (`TritonMeta`): the paged kernel."""
+        return paged_attention(q, self.k[layer], self.v[layer], meta.tables, meta.positions, meta.tiles,
+                               self.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits, out=out,
+                               return_lse=return_lse, scores=scores, score_rows=score_rows)
+
+    def key_reader(self, layer: int, tables: torch.Tensor, table_offsets: torch.Tensor, every: bool,
+                   state: Any) -> KeyReader:
+        """Where the keys of a set of rows sit, as they read them (`every`: the rows asked
+        for are every row of the pass)."""
+        return paged_reader(self.k[layer], self.v[layer], tables, table_offsets, self.page_size, every)
+
+
+def paged_reader(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
+                 page_size: int, every: bool = False) -> KeyReader:
+    """Keys in one layer of the BF16 page pool (`every`: the rows asked for are every row)."""
+    return lambda r: (k_cache, v_cache, tables, table_offsets if every else table_offsets[r].contiguous(), page_size,
+                      None)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D], k/v [Lk, Hkv, D], mask [n, Lk] -> [n, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale
+    )
+    return out[0].transpose(0, 1)

@@ -4,7 +4,7 @@ kept in their token slots, and the attention step that writes and reads it.
 A generated token's row (position at or past its request's prompt, `RowGroup.decode_from`)
 is a *source* at loop 2 (depth 1): its dense attention is its output and O_ref, and the
 source step keeps, per layer and query head, the top-b keys of its probabilities, their
-mass m and C_ref (`specloop.kernels.sparse_decode`). At loops 3 and 4 (depths >= 2) the
+mass m and C_ref (`specloop.kernels.sparse_decode_*`). At loops 3 and 4 (depths >= 2) the
 same token's row is a *correction*: it attends to its kept keys of that depth alone and
 outputs O_ref - C_ref + m * sum p V. Prompt rows stay dense. With the Triton backend the
 correction rows are left out of the dense launch's query tiles (`LoopPass.tiles`), so a
@@ -29,7 +29,7 @@ write nothing, and the scores scratch has a fixed address.
 
 With INT4 residual planes the source and correction read each key as the row reads it
 (exact from the BF16 tail or reconstructed from the packed planes, by the read rule),
-straight from the planes (`plane_reader`: the kernels run the packed reader's own gather,
+straight from the planes (the format's `key_reader`: the kernels run the packed reader's own gather,
 the select's V sums and the correction on the kept positions alone); no copy of the keys is
 made, and the packed reader keeps the sources' scores and lse like the paged kernel.
 """
@@ -37,16 +37,15 @@ made, and the packed reader keeps the sources' scores and lse like the paged ker
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
-from specloop.kernels.packed_keys import PackedKV
-from specloop.kernels.sparse_decode_common import PackedRows, SlotState, key_budget
+from specloop.kernels.sparse_decode_common import SlotState, key_budget
 from specloop.kernels.sparse_decode_correction import decode_correction
 from specloop.kernels.sparse_decode_source import (
     SCRATCH_BYTES, decode_select, decode_source, scratch_keys, scratch_rows,
 )
+from specloop.runtime.kv_format import KeyReader
 
 
 @dataclasses.dataclass
@@ -260,29 +259,3 @@ def _running(rows: SparseRows, r: torch.Tensor, ok: torch.Tensor | None,
     """[n] bool: rows r that play the part (`ok`) and whose token has not exited."""
     run = torch.ones(r.shape, dtype=torch.bool, device=r.device) if ok is None else ok
     return run if exited is None else run & ~rows.pick(exited, r)
-
-
-KeyReader = Callable[[torch.Tensor],
-                     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, PackedRows | None]]
-"""Rows r [n] -> (K, V [S, Hkv, D], page tables, each row's table offset [n], page size, and
-`PackedRows` or None): where the keys of rows r sit as they read them: the BF16 pool, or
-INT4 residual planes (then K and V are the planes' BF16 tails, and the kernels read each key
-exact from them or reconstructed from the records, as the row reads it)."""
-
-
-def paged_reader(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
-                 page_size: int, every: bool = False) -> KeyReader:
-    """Keys in one layer of the BF16 page pool (`every`: the rows asked for are every row)."""
-    return lambda r: (k_cache, v_cache, tables, table_offsets if every else table_offsets[r].contiguous(), page_size,
-                      None)
-
-
-def plane_reader(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, table_offsets: torch.Tensor,
-                 page_size: int, packed: PackedKV, cells: torch.Tensor, depths: torch.Tensor,
-                 every: bool = False) -> KeyReader:
-    """Keys on one layer's INT4 residual planes (`every`: the rows asked for are every row)."""
-    def read(r: torch.Tensor):
-        pick = (lambda x: x) if every else (lambda x: x[r].contiguous())  # noqa: E731
-        return (k_tail, v_tail, tables, pick(table_offsets), page_size,
-                PackedRows(packed, pick(cells), pick(depths)))
-    return read
