@@ -60,7 +60,7 @@ def test_graph_replay_equals_eager_with_int4_residuals(tiny_ckpt, case):
     """Residual passes replayed (appends, the encoding plan, per-layer encoding and the packed
     reader inside the graph) against eager: the same tokens, logprobs within 1e-3 (split-KV
     differs, and a rounding apart can flip an INT4 code at a boundary), groups sealed."""
-    from specloop.runtime.kv_residual import NEVER
+    from specloop.flashloop.kv_residual.planes import NEVER
 
     mode, group = RESIDUAL_MODES[case]
     options = {**MODES[mode], "kv_residual_quantization": group}

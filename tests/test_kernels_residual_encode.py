@@ -24,7 +24,7 @@ import torch
 
 from specloop.kernels.int4_groups import GROUP
 from specloop.kernels.residual_encode import encode_groups
-from specloop.runtime.kv_residual import EncodePlan, PackedResiduals
+from specloop.flashloop.kv_residual.planes import EncodePlan, PackedResiduals
 from tests.test_kv_residual import _schedule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

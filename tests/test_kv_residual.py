@@ -18,7 +18,7 @@ import torch
 
 from specloop.model.flashloop_reference import NEVER as REF_NEVER
 from specloop.model.flashloop_reference import quantize_rows, read_kv, residual_encode, seal_positions
-from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
+from specloop.flashloop.kv_residual.planes import NEVER, EncodePlan, PackedResiduals
 
 PAGE = 16
 LAYERS, PLANES, HEADS = 2, 4, 2

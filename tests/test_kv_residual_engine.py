@@ -20,7 +20,7 @@ from specloop.errors import ConfigError
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparsePrefill, flashloop_forward, \
     flashloop_greedy
 from specloop.sampling_params import SamplingParams
-from specloop.runtime.kv_residual import NEVER
+from specloop.flashloop.kv_residual.planes import NEVER
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS
 from tests.conftest import weights_of
 from tests.engine_runs import residual_planes
@@ -338,7 +338,7 @@ def test_byte_budget_split_and_stats(tiny_ckpt):
     """A byte budget splits into BF16 pages (tail_share) and records (the rest); stats count
     both, per request and in total, and everything returns at the end."""
     from specloop.runtime.kv_format import PagedKV
-    from specloop.runtime.kv_residual import PackedResiduals
+    from specloop.flashloop.kv_residual.planes import PackedResiduals
     budget = 8 << 20
     engine = EngineCore(EngineConfig.from_kwargs(
         str(tiny_ckpt), device="cpu", dtype="float64", kv_cache_bytes=budget, block_size=8, attention_backend="torch",

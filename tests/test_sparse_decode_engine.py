@@ -25,7 +25,8 @@ from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, Sp
 from specloop.plan import Plan, RowGroup
 from specloop.runtime.forward_batch import ForwardBatchBuilder, _sparse_rows
 from specloop.runtime.kv_format import paged_reader
-from specloop.runtime.sparse_decode import DecodeReferences, SparseRows
+from specloop.flashloop.sparse_decode.references import DecodeReferences
+from specloop.runtime.forward_batch import SparseRows
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
 from tests.engine_runs import MODES, decode_references, reference_logprobs, run_all, step_into

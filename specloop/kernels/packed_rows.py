@@ -1,7 +1,7 @@
 """Reading packed INT4 residual planes in plain PyTorch: rows, records, decode, seals and
 reconstruction. The one torch implementation behind the Triton kernels' references
 (`packed_keys`, `packed_attention`, `residual_encode`) and the runtime's torch path
-(`specloop.runtime.kv_residual.PackedResiduals`).
+(`specloop.flashloop.kv_residual.planes.PackedResiduals`).
 
 The planes are a `PackedKV` (`packed_keys`): K / V records (`int4_groups` layouts),
 each record's seal, and per request cell and plane the group tables (record of compact

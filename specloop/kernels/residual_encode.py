@@ -4,7 +4,7 @@ in Triton (one launch), with its torch reference.
     encode_groups(k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready,
                   table_offsets, k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, group_tables, row_maps)
 
-What `PackedResiduals.encode` (`specloop.runtime.kv_residual`) does for one layer and one
+What `PackedResiduals.encode` (`specloop.flashloop.kv_residual.planes`) does for one layer and one
 plane, without its ~75 small torch ops a plane. DT is the model dtype (the tails'), Hkv KV
 heads, D the head dim (even), GROUP = 64, P planes, NG + 1 records (the last one, NG, is
 the sink: `sink` names another one). The caller slices the layer:

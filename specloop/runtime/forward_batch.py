@@ -48,7 +48,6 @@ import torch
 
 from specloop.kernels.paged_attention import TILE_COLUMNS, query_tiles
 from specloop.plan import Draft, Plan, RowGroup, Sample, Verify, VerifyCandidate
-from specloop.runtime.sparse_decode import SparseRows
 
 HEAD_TYPES = (Sample, Draft, Verify, VerifyCandidate)  # the order heads run in: drafts before the
 # verifications that may read the request cell they write (token pipelines)
@@ -86,6 +85,28 @@ class HeadSegment:
 
     def __len__(self) -> int:
         return len(self.groups)
+
+
+@dataclasses.dataclass
+class SparseRows:
+    """A loop pass's generated-token rows: `source` (depth 1) and `correction` (depth >= 2)
+    batch rows, [Ns] and [Nc] long on the device. A CUDA graph lists every row of its
+    bucket in both (`every`: then a gather by them is the tensor itself) and says which rows
+    play each part in `source_ok` / `correction_ok` ([b] bool, from the pass block: values,
+    never constants of the graph). `memo` holds what the pass's layer 0 derived from the
+    rows (slots, masks, the missing states), which its later layers reuse (layer 0 derives it
+    afresh, so a list reused for another pass is never stale)."""
+
+    source: torch.Tensor
+    correction: torch.Tensor
+    source_ok: torch.Tensor | None = None
+    correction_ok: torch.Tensor | None = None
+    every: bool = False
+    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def pick(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """x[r] for one of the row lists r (x itself when r is every row)."""
+        return x if self.every else x[r]
 
 
 @dataclasses.dataclass
@@ -211,7 +232,7 @@ WINDOW_INFO = 7
 
 @dataclasses.dataclass
 class ResidualPass:
-    """What one loop pass tells the INT4 residual planes (`specloop.runtime.kv_residual`):
+    """What one loop pass tells the INT4 residual planes (`specloop.flashloop.kv_residual.planes`):
     each row's request cell, and per request cell in the pass the page-table offset of every
     plane it may encode groups of (-1: none; planes below the cell's shallowest row in the
     pass cannot change), with `candidates` groups per (cell, plane) to look at. A pass a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from specloop.runtime.forward_batch import ForwardBatch, LoopPass, ReleaseBatch
-from specloop.runtime.kv_residual import NEVER, EncodePlan, PackedResiduals
+from specloop.flashloop.kv_residual.planes import NEVER, EncodePlan, PackedResiduals
 
 
 class ResidualDevice:

@@ -10,7 +10,7 @@ from specloop.errors import ConfigError
 from specloop.flashloop.config import KVResidualQuantization, TokenSparsePrefill
 from specloop.flashloop.kv_residual.snapshot import ResidualPart
 from specloop.runtime.feature import Sizing
-from specloop.runtime.kv_residual import PackedResiduals
+from specloop.flashloop.kv_residual.planes import PackedResiduals
 from specloop.scheduling.kv_manager import KVManager
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS, ResidualRecords
 

@@ -14,7 +14,7 @@ import torch
 from specloop.kernels.packed_attention import packed_attention, packed_splits
 from specloop.kernels.sparse_decode_common import PackedRows
 from specloop.runtime.kv_format import KeyReader, PagedKV
-from specloop.runtime.kv_residual import EncodePlan, PackedResiduals
+from specloop.flashloop.kv_residual.planes import EncodePlan, PackedResiduals
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 (the `RecordPool` the KV manager keeps beside its pages).
 
 With `kv_residual_quantization` on, every plane of a request stores its compact rows in
-groups of 64, one record of the device pool (`specloop.runtime.kv_residual`) per group.
+groups of 64, one record of the device pool (`specloop.flashloop.kv_residual.planes`) per group.
 Which positions have rows at a deep plane is decided on the device (token-sparse
 selection, adaptive exit), so the host provides records for the most rows a plane can hold
 among the positions the request's page tables cover (`row_bound`): every position at a

@@ -15,7 +15,7 @@ import torch
 
 from specloop.errors import SnapshotError
 from specloop.runtime.forward_batch import ResidualUpdate
-from specloop.runtime.kv_residual import PackedResiduals
+from specloop.flashloop.kv_residual.planes import PackedResiduals
 from specloop.scheduling.kv_manager import KVManager
 from specloop.scheduling.request import Request
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS, ResidualRecords

@@ -14,7 +14,8 @@ import torch
 
 from specloop.runtime.forward_batch import LoopPass
 from specloop.runtime.kv_format import PagedKV
-from specloop.runtime.sparse_decode import DecodeReferences, KeptScores, SparseRows
+from specloop.flashloop.sparse_decode.references import DecodeReferences, KeptScores
+from specloop.runtime.forward_batch import SparseRows
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from specloop.runtime.forward_batch import ForwardBatch, LoopPass
-from specloop.runtime.sparse_decode import DecodeReferences
+from specloop.flashloop.sparse_decode.references import DecodeReferences
 
 
 class ReferencesDevice:

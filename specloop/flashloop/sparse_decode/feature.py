@@ -6,7 +6,7 @@ from __future__ import annotations
 from specloop.flashloop.config import SparseDecodeAttention
 from specloop.flashloop.sparse_decode.snapshot import ReferencesPart
 from specloop.runtime.feature import Sizing
-from specloop.runtime.sparse_decode import DecodeReferences
+from specloop.flashloop.sparse_decode.references import DecodeReferences
 
 
 class SparseDecodeFeature:

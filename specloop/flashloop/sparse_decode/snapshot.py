@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from specloop.errors import SnapshotError
-from specloop.runtime.sparse_decode import DecodeReferences
+from specloop.flashloop.sparse_decode.references import DecodeReferences
 from specloop.scheduling.request import Request
 
 

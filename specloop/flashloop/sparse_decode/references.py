@@ -45,6 +45,7 @@ from specloop.kernels.sparse_decode_correction import decode_correction
 from specloop.kernels.sparse_decode_source import (
     SCRATCH_BYTES, decode_select, decode_source, scratch_keys, scratch_rows,
 )
+from specloop.runtime.forward_batch import SparseRows
 from specloop.runtime.kv_format import KeyReader
 
 
@@ -56,28 +57,6 @@ class KeptScores:
 
     scores: torch.Tensor
     lse: torch.Tensor
-
-
-@dataclasses.dataclass
-class SparseRows:
-    """A loop pass's generated-token rows: `source` (depth 1) and `correction` (depth >= 2)
-    batch rows, [Ns] and [Nc] long on the device. A CUDA graph lists every row of its
-    bucket in both (`every`: then a gather by them is the tensor itself) and says which rows
-    play each part in `source_ok` / `correction_ok` ([b] bool, from the pass block: values,
-    never constants of the graph). `memo` holds what the pass's layer 0 derived from the
-    rows (slots, masks, the missing states), which its later layers reuse (layer 0 derives it
-    afresh, so a list reused for another pass is never stale)."""
-
-    source: torch.Tensor
-    correction: torch.Tensor
-    source_ok: torch.Tensor | None = None
-    correction_ok: torch.Tensor | None = None
-    every: bool = False
-    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-    def pick(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """x[r] for one of the row lists r (x itself when r is every row)."""
-        return x if self.every else x[r]
 
 
 class DecodeReferences:
