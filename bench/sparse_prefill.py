@@ -55,6 +55,7 @@ from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.flashloop.config import TokenSparsePrefill
 from specloop.flashloop.token_sparse_prefill import select as sparse_prefill
+from specloop.flashloop.token_sparse_prefill.batch import WindowBatch
 from specloop.flashloop.token_sparse_prefill.device import WindowDevice
 from specloop.runtime.kv_format import PagedKV
 from specloop.sampling_params import SamplingParams
@@ -126,7 +127,8 @@ class RowCounter:
             self.calls += 1
             self.rows += sum(lp.num_rows for lp in batch.passes)
             self.padded_rows += sum(max(lp.bucket, lp.num_rows) for lp in batch.passes)
-            self.window_groups += len(batch.windows.windows) if batch.windows is not None else 0
+            windows = batch.notes.get(WindowBatch)
+            self.window_groups += len(windows.windows) if windows is not None else 0
             return batch
 
         self.batches.build = counted

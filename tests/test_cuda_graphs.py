@@ -100,8 +100,6 @@ def test_padding_rows_write_only_the_sinks(tiny_ckpt, mode):
     KV page but the sink page and no token slot but the pad slot; with INT4 residuals no
     record but the sink record and no cell's rows, maps or counts (the pad cell's included).
     On the GPU where there is one (the interpreter is on only without CUDA)."""
-    from specloop.runtime.forward_batch import pass_view
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     options = MODES[mode] if mode in MODES else RESIDUAL[mode]
     engine = _engine(tiny_ckpt, device.type, attention_backend="triton", enforce_eager=True,
@@ -116,8 +114,7 @@ def test_padding_rows_write_only_the_sinks(tiny_ckpt, mode):
     tables = torch.zeros(batches.max_tables + 1, dtype=torch.long, device=device)
     tables[batches.pad_table] = sink_page
     layout = batches.graph_layout(4, runner.adaptive_exit)
-    lp = pass_view(layout, batches.pad_block(layout), tables, kv.page_size, 4, [], runner.backend.tile_rows[0], 4,
-                   num_splits=1, residual=batches.graph_residual(4))
+    lp = batches.graph_view(layout, batches.pad_block(layout), tables, False, num_splits=1)
     k_before, v_before, hidden_before = kv.k.clone(), kv.v.clone(), slots.hidden.clone()
     planes = {name: t.clone() for name, t in vars(store).items() if isinstance(t, torch.Tensor)} if store else {}
     if store is not None:

@@ -24,6 +24,7 @@ from specloop.flashloop.kv_residual.planes import NEVER
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS
 from tests.conftest import weights_of
 from tests.engine_runs import residual_planes
+from specloop.flashloop.kv_residual.batch import ResidualPass
 
 MAX_TOKENS = 6
 TAIL = 5
@@ -126,7 +127,7 @@ def test_graph_shaped_passes_decode_what_exact_ones_decode(tiny_ckpt, policy, sp
 
     def counting(plan):
         batch = build(plan)
-        shaped.extend(lp.residual.pass_cells.numel() > len({g.cell for g in plan.groups}) for lp in batch.passes)
+        shaped.extend(lp.notes[ResidualPass].pass_cells.numel() > len({g.cell for g in plan.groups}) for lp in batch.passes)
         return batch
 
     batches.build = counting

@@ -23,10 +23,10 @@ from specloop.flashloop.config import SparseDecodeAttention
 from specloop.kernels.sparse_decode_common import key_budget
 from specloop.model.flashloop_reference import FlashLoopFeatures, KVResidual, SparseDecode, SparsePrefill
 from specloop.plan import Plan, RowGroup
-from specloop.runtime.forward_batch import ForwardBatchBuilder, _sparse_rows
+from specloop.runtime.forward_batch import ForwardBatchBuilder
 from specloop.runtime.kv_format import paged_reader
 from specloop.flashloop.sparse_decode.references import DecodeReferences
-from specloop.runtime.forward_batch import SparseRows
+from specloop.flashloop.sparse_decode.batch import SparseDecodeBatch, SparseRows, sparse_rows
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.token_slots import TokenSlotPool
 from tests.engine_runs import MODES, decode_references, reference_logprobs, run_all, step_into
@@ -389,7 +389,7 @@ def test_correction_rows_leave_the_dense_tiles():
     graph's masks read."""
     builder = ForwardBatchBuilder(max_rows=16, max_seqs=2, num_loops=4, max_pages_per_seq=4, page_size=4,
                                   device=torch.device("cpu"), tile_rows=(2, 8), buckets=(8, 16),
-                                  sparse_decode=True)
+                                  parts=[SparseDecodeBatch(16, 4)])
     decode = RowGroup("a", 0, 0, 0, 0, 12, 13, None, [0], [0, 1, 2, 3], [[4, 5, 6, 7]] * 3, loops=4,
                       decode_from=10)
     chunk = RowGroup("b", 0, 1, 1, 1, 8, 12, None, [1, 2, 3, 4], [8, 9, 10], [[11, 12, 13]], loops=2,
@@ -399,11 +399,11 @@ def test_correction_rows_leave_the_dense_tiles():
     roles = lambda lp: lp.block[-lp.bucket:].tolist()  # noqa: E731
     first, second = batch.passes[0], batch.passes[1]
     # pass 0: row 0 depth 0 (dense), rows 1..4 depth 1: prompt 1, 2 dense, 3, 4 sources
-    assert first.sparse.source.tolist() == [3, 4] and first.sparse.correction.numel() == 0
+    assert first.notes[SparseRows].source.tolist() == [3, 4] and first.notes[SparseRows].correction.numel() == 0
     assert sum(n for _, n, _ in tiles(first.tiles)) == 5
     assert roles(first) == [0, 0, 0, 1, 1, 0, 0, 0]
     # pass 1: row 0 depth 1 (a source), rows 1..4 depth 2: 1, 2 dense, 3, 4 corrections
-    assert second.sparse.source.tolist() == [0] and second.sparse.correction.tolist() == [3, 4]
+    assert second.notes[SparseRows].source.tolist() == [0] and second.notes[SparseRows].correction.tolist() == [3, 4]
     dense = tiles(second.tiles)
     assert [(f, n) for f, n, _ in dense] == [(0, 1), (1, 2)]  # the corrections 3, 4 are left out
     assert roles(second) == [1, 0, 0, 2, 2, 0, 0, 0]
@@ -415,10 +415,10 @@ def test_sparse_rows_of_each_pass():
                _group(1, 6, 12, 10),  # a replay chunk crossing the prompt's end at depth 1: rows 1..6
                _group(2, 3, 9, 10)]  # prompt rows only: rows 7..12
     firsts = [0, 1, 7]
-    assert _sparse_rows(ordered, firsts, 0) == ([5, 6], [])  # positions 10, 11 of the chunk
-    assert _sparse_rows(ordered, firsts, 1) == ([0], [])
-    assert _sparse_rows(ordered, firsts, 2) == ([], [0])
-    assert _sparse_rows(ordered, firsts, 3) == ([], [0])
+    assert sparse_rows(ordered, firsts, 0) == ([5, 6], [])  # positions 10, 11 of the chunk
+    assert sparse_rows(ordered, firsts, 1) == ([0], [])
+    assert sparse_rows(ordered, firsts, 2) == ([], [0])
+    assert sparse_rows(ordered, firsts, 3) == ([], [0])
 
 
 def _roles_setup(every: bool = False):

@@ -26,7 +26,7 @@ from specloop.model.flashloop_reference import FlashLoopFeatures, SparsePrefill,
 from specloop.flashloop.token_sparse_prefill import select as sparse_prefill
 from specloop.scheduling.prompts import DensePrompts
 from specloop.flashloop.token_sparse_prefill.device import WindowDevice
-from specloop.runtime.forward_batch import WindowBatch, WindowRows
+from specloop.flashloop.token_sparse_prefill.batch import WindowBatch, WindowRows
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams

@@ -24,12 +24,15 @@ from specloop.engine.executor import Executor
 from specloop.engine.snapshot import CellPart, KVPagesPart, SlotsPart, Snapshotter
 from specloop.errors import ConfigError, SpecloopError
 from specloop.flashloop.config import summary as group_summary
+from specloop.flashloop.kv_residual.batch import ResidualBatch
 from specloop.flashloop.kv_residual.device import ResidualDevice
 from specloop.flashloop.kv_residual.feature import KVResidualFeature
 from specloop.flashloop.kv_residual.format import PackedPlanes
 from specloop.flashloop.sparse_decode.attention import SparseDecodeStep
+from specloop.flashloop.sparse_decode.batch import SparseDecodeBatch
 from specloop.flashloop.sparse_decode.device import ReferencesDevice
 from specloop.flashloop.sparse_decode.feature import SparseDecodeFeature
+from specloop.flashloop.token_sparse_prefill.batch import WindowBatchPart
 from specloop.flashloop.token_sparse_prefill.device import WindowDevice
 from specloop.flashloop.token_sparse_prefill.feature import TokenSparsePrefillFeature
 from specloop.flashloop.token_sparse_prefill.host import WindowedPrompts
@@ -123,11 +126,20 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
                            mcfg.num_key_value_heads, SparseDecodeStep(references) if references is not None else None)
     graphed = device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
     buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
-    batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, -(-max_model_len // config.block_size),
-                                  config.block_size, device, tile_rows=backend.tile_rows, buckets=buckets,
-                                  pad_slot=num_token_slots, window_slots=window_slots, residual_ints=residual_ints,
-                                  residual_tail=residual.execution_tail if residual is not None else None,
-                                  sparse_decode=bool(decode_slots))
+    pages_per_seq = -(-max_model_len // config.block_size)
+    batch_parts: list[Any] = []  # the features' shares of the forward batch, in order
+    residual_batch = None
+    if residuals is not None:
+        residual_batch = ResidualBatch(residual_ints, mcfg.num_loops, config.max_num_seqs, config.block_size,
+                                       pages_per_seq * config.block_size, residual.execution_tail)
+        batch_parts.append(residual_batch)
+    if references is not None:
+        batch_parts.append(SparseDecodeBatch(rows, mcfg.num_loops))
+    if sparse.active:
+        batch_parts.append(WindowBatchPart(window_slots, num_token_slots))
+    batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, pages_per_seq, config.block_size, device,
+                                  tile_rows=backend.tile_rows, buckets=buckets, pad_slot=num_token_slots,
+                                  parts=batch_parts)
     slots = SlotStorage(num_token_slots + 1, mcfg.hidden_size, model.dtype, device, keep_previous=sparse.active)
     features: list[Any] = []  # device halves, in the order they run
     if residuals is not None:
@@ -143,7 +155,7 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
     speculation_heads = next(iter(heads.values())) if heads else None
     draft = (speculation_heads.draft_tokens, speculation_heads.draft_probs) if speculation_heads else None
     parts = [KVPagesPart(kv, store),
-             residual.snapshot_part(kv, residuals, batches.forget_backlog) if residual is not None
+             residual.snapshot_part(kv, residuals, residual_batch.forget_backlog) if residual is not None
              else Absent("residual", KVResidualFeature.option),
              SlotsPart(runner.slots),
              decode.snapshot_part(references) if decode is not None else Absent("references", SparseDecodeFeature.option),

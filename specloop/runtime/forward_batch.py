@@ -23,13 +23,16 @@ shapes and query tiles. Views into the device buffer, by segment:
   slots and page-table offsets at that pass, its query tiles when the backend asks for
   them ((first row, rows, table offset) for runs of at most `tile_rows` rows of one group:
   the backend's small size when every group fits in it, its large size otherwise), with
-  adaptive exit every plane's page-table offset (-1 where none), and with INT4 residuals
-  the rows' request cells and the pass's `ResidualPass` columns (request cells and their
-  planes' page-table offsets; padded with the pad cell in a pass a graph replays).
+  adaptive exit every plane's page-table offset (-1 where none), then each batch part's
+  columns.
 
-A group at a sparse loop of token-sparse prefill (`RowGroup.window`) holds placeholder
-positions and token slots in its rows; the runner fills them in on the device from the
-window's selection (`WindowRows`: the window's token slots ride in the integer upload).
+A FlashLoop feature adds its own integers through a `BatchPart` (the composition root
+lists them): per-pass columns inside each pass block (INT4 residuals: the rows' request
+cells and the pass's planes' tables; sparse decode attention: each row's role), rows the
+dense query tiles leave out (sparse decode corrections), per-pass lists after the blocks
+and plan-level data (prompt windows, record updates, release scans); its views land in
+`ForwardBatch.notes` and `LoopPass.notes` under types of its own, so this module names no
+feature.
 
 KV slots are computed on the device from page tables and positions: slot = page *
 page_size + position % page_size. Host-side summaries (row counts, group shapes, head
@@ -42,7 +45,8 @@ import array
 import bisect
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -88,28 +92,6 @@ class HeadSegment:
 
 
 @dataclasses.dataclass
-class SparseRows:
-    """A loop pass's generated-token rows: `source` (depth 1) and `correction` (depth >= 2)
-    batch rows, [Ns] and [Nc] long on the device. A CUDA graph lists every row of its
-    bucket in both (`every`: then a gather by them is the tensor itself) and says which rows
-    play each part in `source_ok` / `correction_ok` ([b] bool, from the pass block: values,
-    never constants of the graph). `memo` holds what the pass's layer 0 derived from the
-    rows (slots, masks, the missing states), which its later layers reuse (layer 0 derives it
-    afresh, so a list reused for another pass is never stale)."""
-
-    source: torch.Tensor
-    correction: torch.Tensor
-    source_ok: torch.Tensor | None = None
-    correction_ok: torch.Tensor | None = None
-    every: bool = False
-    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-    def pick(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """x[r] for one of the row lists r (x itself when r is every row)."""
-        return x if self.every else x[r]
-
-
-@dataclasses.dataclass
 class LoopPass:
     """One loop over rows [0, num_rows) of the batch: what the attention backend reads.
 
@@ -130,10 +112,9 @@ class LoopPass:
     block: torch.Tensor | None = None  # the pass's padded block in the device buffer (`PassLayout`)
     bucket: int = 0  # rows of the block (N_p padded up to a graph bucket, or N_p)
     num_splits: int | None = None  # split-KV fixed by the caller (a CUDA graph); None: the backend picks
-    residual: ResidualPass | None = None  # INT4 residual planes on: what the pass may encode
-    encode_plan: Any = None  # set by the runner before the backend builds (kv_residual.EncodePlan)
-    sparse: SparseRows | None = None  # sparse decode attention on: the pass's generated-token rows
     max_context: int | None = None  # a bound on every row's position + 1 fixed by the caller (a CUDA graph)
+    notes: dict[type, Any] = dataclasses.field(default_factory=dict)  # the batch parts' views, by their type
+    # (and what the features' device halves derive per pass)
 
     @functools.cached_property
     def write_slots(self) -> torch.Tensor:
@@ -153,130 +134,82 @@ class LoopPass:
 class PassLayout:
     """Where each column of one pass sits in its block of `bucket` rows: positions, depths,
     token slots and page-table offsets ([b] each), query tiles ([b, 3]: at most one per row),
-    with adaptive exit every plane's page-table offset ([R, b]), and with INT4 residuals
-    (`residual_planes` P) the rows' request cells ([b]), then `residual_cells` C request
-    cells and their planes' page-table offsets ([C, P]). Rows past the pass's own are
-    padding: position 0, depth 0, the pad token slot, the pad table entry (whose page is a
-    sink nobody reads), tiles of 0 rows, no planes (-1), the pad cell; cells past the
-    pass's own are the pad cell with no planes (-1). With sparse decode attention each row's
-    role ([b]: 1 a source, 2 a correction, 0 neither) follows, padding roles 0 (the
-    correction rows are not in `tiles`: the correction step computes them). A CUDA graph
-    captured for a bucket reads a block of this layout at a fixed address."""
+    with adaptive exit every plane's page-table offset ([R, b]), then each batch part's
+    columns (`parts`: their sizes, in the builder's order of parts). Rows past the pass's own
+    are padding: position 0, depth 0, the pad token slot, the pad table entry (whose page is
+    a sink nobody reads), tiles of 0 rows, no planes (-1); each part pads its own. A CUDA
+    graph captured for a bucket reads a block of this layout at a fixed address."""
 
     bucket: int
     planes: int  # R with adaptive exit, else 0
-    residual_planes: int = 0  # P with INT4 residuals, else 0
-    residual_cells: int = 0  # C: request cells of the residual columns
-    sparse: bool = False  # sparse decode attention: row roles [b]
+    parts: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
-        residual = self.bucket + self.residual_cells * (1 + self.residual_planes) if self.residual_planes else 0
-        sparse = self.bucket if self.sparse else 0
-        return (4 + TILE_COLUMNS + self.planes) * self.bucket + residual + sparse
+        return (4 + TILE_COLUMNS + self.planes) * self.bucket + sum(self.parts)
 
-    def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
+    def views(self, block: torch.Tensor) -> dict[str, Any]:
         b = self.bucket
-        out = {"positions": block[:b], "depths": block[b: 2 * b], "token_slots": block[2 * b: 3 * b],
-               "table_offsets": block[3 * b: 4 * b],
-               "tiles": block[4 * b: (4 + TILE_COLUMNS) * b].view(b, TILE_COLUMNS)}
+        out: dict[str, Any] = {"positions": block[:b], "depths": block[b: 2 * b], "token_slots": block[2 * b: 3 * b],
+                               "table_offsets": block[3 * b: 4 * b],
+                               "tiles": block[4 * b: (4 + TILE_COLUMNS) * b].view(b, TILE_COLUMNS)}
         at = (4 + TILE_COLUMNS + self.planes) * b
         if self.planes:
             out["planes"] = block[(4 + TILE_COLUMNS) * b: at].view(self.planes, b).t()
-        if self.residual_planes:
-            c, p = self.residual_cells, self.residual_planes
-            out["cells"] = block[at: at + b]
-            out["pass_cells"] = block[at + b: at + b + c]
-            out["plane_tables"] = block[at + b + c: at + b + c * (1 + p)].view(c, p)
-            at += b + c * (1 + p)
-        if self.sparse:
-            out["roles"] = block[at: at + b]
+        out["parts"] = []
+        for n in self.parts:
+            out["parts"].append(block[at: at + n])
+            at += n
         return out
 
 
-@dataclasses.dataclass
-class WindowRows:
-    """A prompt window's group at a sparse loop (host side): batch rows [first, first + rows)
-    run ranks [rank, rank + rows) of the `budget` tokens it keeps at `depth` (selected in this
-    call when rank == 0)."""
+class BatchPart(Protocol):
+    """A FlashLoop feature's share of the forward batch: integers in the batch's one upload,
+    read back as views it files under types of its own (`ForwardBatch.notes`,
+    `LoopPass.notes`). The builder calls it in this order for a plan: `start`; per pass
+    `pass_info` (host), `left_out`, the layout's `columns`, `block_ints`; after the blocks
+    `tail_ints` per pass and `plan_ints`; after the upload `pass_view` / `tail_view` per pass
+    and `plan_view`. A CUDA graph's pass has the part's `graph_columns` and its
+    `graph_view`."""
 
-    request_id: str
-    first: int
-    rows: int
-    window_slots: torch.Tensor  # [n] long: token slots of the window's tokens, in position order (a view)
-    start: int  # the window's first absolute position
-    depth: int
-    budget: int
-    rank: int
-    head: bool  # the group samples: its head reads the prompt's last token, selected or not
+    capacity: int  # the most integers `tail_ints` and `plan_ints` add to one plan's upload
+    variant: type | None  # a note type whose presence selects a pass's own graph (None: no variant)
 
+    def start(self, plan: Plan) -> None: ...
 
-@dataclasses.dataclass
-class WindowBatch:
-    """The call's sparse prefill groups, batched for the device (`sparse_prefill.run`): one
-    padded row of window token slots per group, its integers, and one entry per batch row
-    the groups run."""
+    def pass_info(self, ordered: list[RowGroup], firsts: list[int], p: int,
+                  table_at: dict[tuple[int, int], int]) -> Any:
+        """Pass p's host information (`ordered` groups, their first rows, the batch's table offsets)."""
 
-    windows: list[WindowRows]
-    slots: torch.Tensor  # [G, W] long, padded with the pad slot
-    info: torch.Tensor  # [G, WINDOW_INFO] long: start, length, depth, budget, selects here, table, inherited table
-    rows: torch.Tensor  # [R] long: batch rows
-    row_window: torch.Tensor  # [R] long: the group of each
-    row_rank: torch.Tensor  # [R] long: the rank of the kept token each runs
-    moved_window: torch.Tensor  # [M] long: per token a selecting group leaves out, its group
-    moved_rank: torch.Tensor  # [M] long: and its rank (budget .. length - 1: the left-out come after the kept)
+    def left_out(self, info: Any) -> list[int]:
+        """Rows the dense query tiles leave out (ascending, a tail of their groups' rows)."""
 
+    def columns(self, info: Any, bucket: int) -> int:
+        """Integers of its columns in an eager pass block of `bucket` rows (0: none)."""
 
-WINDOW_INFO = 7
+    def fits_graph(self, info: Any, bucket: int) -> bool:
+        """Whether the pass fits the graph's fixed columns (else it runs eager)."""
 
+    def graph_columns(self, bucket: int) -> int: ...
 
-@dataclasses.dataclass
-class ResidualPass:
-    """What one loop pass tells the INT4 residual planes (`specloop.flashloop.kv_residual.planes`):
-    each row's request cell, and per request cell in the pass the page-table offset of every
-    plane it may encode groups of (-1: none; planes below the cell's shallowest row in the
-    pass cannot change), with `candidates` groups per (cell, plane) to look at. A pass a
-    CUDA graph replays has the bucket's fixed shape (`residual_shape`): its cells padded
-    with the pad cell, and every plane in `depths`."""
+    def block_ints(self, info: Any, n: int, cells: list[int], size: int, bucket: int) -> list[int]:
+        """Its columns of a pass of `n` rows (`cells`: every batch row's request cell), padded to `size`."""
 
-    cells: torch.Tensor  # [N_p] long: each row's request cell
-    pass_cells: torch.Tensor  # [C] long
-    plane_tables: torch.Tensor  # [C, P] long
-    candidates: int
-    depths: tuple[int, ...] = ()  # planes the pass has rows at (host: which planes may encode at all)
+    def pad(self, size: int, bucket: int) -> torch.Tensor:
+        """Its columns for a block of padding rows only (a graph's capture)."""
 
+    def pass_view(self, lp: LoopPass, columns: torch.Tensor, info: Any, graphed: bool) -> None: ...
 
-def residual_candidates(rows: int, planes: int, tail: int = 0) -> int:
-    """Groups to look at per (cell, plane) of a pass for `rows` rows that may hold full
-    groups not encoded yet: the groups they can fill, plus room for groups waiting on the
-    plane before (at most one per plane) and, under the execution policy, for those still
-    within `tail` of the pass's first query (docs/flashloop.md)."""
-    return rows // 64 + tail // 64 + planes + 2
+    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: bool) -> None: ...
 
+    def tail_ints(self, info: Any) -> list[int]: ...
 
-@dataclasses.dataclass
-class ReleaseBatch:
-    """The plan's `ReleaseScan`s on the device: positions [released * page, + span) of each
-    (request, plane) are checked after the call."""
+    def tail_view(self, lp: LoopPass, ints: torch.Tensor, info: Any) -> None: ...
 
-    cells: torch.Tensor  # [C] long
-    frontiers: torch.Tensor  # [C, P] long: no query of plane p's depth will lie below frontiers[:, p]
-    committed: torch.Tensor  # [C] long: rows at positions below it are committed
-    released: torch.Tensor  # [C, P] long: leading pages given back so far
-    span: int  # positions checked per (request, plane), a multiple of the page size (0: none)
+    def plan_ints(self, plan: Plan, ordered: list[RowGroup], firsts: list[int],
+                  table_at: dict[tuple[int, int], int]) -> tuple[list[int], Any]: ...
 
-
-RELEASE_SPAN = 4096  # the most tail positions one call checks per request and plane
-
-
-@dataclasses.dataclass
-class ResidualUpdate:
-    """Record assignments the call brings: cells to reset first, then (cell, plane, group,
-    record) rows."""
-
-    resets: torch.Tensor  # [R] long
-    assign: torch.Tensor  # [A, 4] long
-    truncate: torch.Tensor  # [U, 2] long: (cell, keep): rows at positions >= keep leave every plane
+    def plan_view(self, batch: "ForwardBatch", ints: torch.Tensor, sizes: Any) -> None: ...
 
 
 @dataclasses.dataclass
@@ -293,12 +226,11 @@ class ForwardBatch:
     host_groups: list[RowGroup]  # groups with a host result, in result order
     page_size: int
     tables: torch.Tensor | None = None  # [T] long: the page tables every pass reads
-    windows: WindowBatch | None = None  # sparse prefill groups
-    residual_update: ResidualUpdate | None = None  # INT4 residual records the call brings
-    release: ReleaseBatch | None = None  # INT4 residual tail pages to check after the call
+    notes: dict[type, Any] = dataclasses.field(default_factory=dict)  # the batch parts' plan-level views
 
     def segment(self, kind: type) -> HeadSegment | None:
         return self.heads.get(kind)
+
 
 
 class ForwardBatchBuilder:
@@ -308,18 +240,11 @@ class ForwardBatchBuilder:
 
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device, tile_rows: tuple[int, int] | None = None,
-                 buckets: tuple[int, ...] = (), pad_slot: int = 0, window_slots: int = 0,
-                 residual_ints: int = 0, residual_tail: int | None = None, sparse_decode: bool = False) -> None:
+                 buckets: tuple[int, ...] = (), pad_slot: int = 0, parts: Sequence[BatchPart] = ()) -> None:
         """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles;
         `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
         `pad_slot`: the token slot padding rows name (a sink row of the slot storage);
-        `window_slots`: the most window token slots one plan's sparse prefill groups carry;
-        `residual_ints`: the most integers one plan's INT4 residual records and release scans
-        add (0: the format is off; on, each pass block holds its residual columns, and
-        request cell `max_seqs` is the pad cell); `residual_tail`: the execution policy's
-        tail (None: the serial policy), whose passes also look at the groups earlier passes
-        left full (`_backlog`); `sparse_decode`: each pass lists its generated-token rows
-        (`SparseRows`: sources at depth 1, corrections deeper)."""
+        `parts`: the FlashLoop features' shares of the batch (`BatchPart`), in order."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
         self.page_size = page_size
@@ -329,18 +254,12 @@ class ForwardBatchBuilder:
         self.pad_slot = pad_slot
         self.max_tables = max_seqs * num_loops * max_pages_per_seq
         self.pad_table = self.max_tables  # the sink entry a graph's table buffer holds past every real one
-        self.residual = residual_ints > 0
-        self.residual_tail = residual_tail
-        self.sparse_decode = sparse_decode
-        self.max_len = max_pages_per_seq * page_size
-        # execution policy: per request cell, each plane's rows in the last pass that ran there
-        # (groups they filled seal at a later pass, not their own)
-        self._backlog: dict[int, list[int]] = {}
+        self.parts = list(parts)
         self.max_seqs = max_seqs
-        self.pad_cell = max_seqs  # what padding rows and cells of a pass name (INT4 residuals)
-        block = max(self._layout(b, num_loops, min(b, max_seqs)).size for b in (max_rows, *self.buckets))
+        block = max(max(self._layout(b, num_loops, None).size, self.graph_layout(b, True).size)
+                    for b in (max_rows, *self.buckets))
         ints = self.ROW_COLUMNS * max_rows + 2 * max_rows + HEAD_COLUMNS * max_rows + self.max_tables + num_loops * block
-        ints += window_slots + residual_ints + (num_loops * max_rows if sparse_decode else 0)
+        ints += sum(part.capacity for part in self.parts)
         floats = 3 * max_rows
         pin = device.type == "cuda"
         # Staging in a ring: the copy of call N reads its staging buffer asynchronously, so
@@ -353,6 +272,11 @@ class ForwardBatchBuilder:
         self._floats = torch.zeros(floats, dtype=torch.float32, device=device)
         self.uploads = 0  # host-to-device copies so far (a test counts them per call)
 
+    @property
+    def variants(self) -> tuple[type, ...]:
+        """Note types that select a graph variant of their own (a pass holding one replays it)."""
+        return tuple(part.variant for part in self.parts if part.variant is not None)
+
     def bucket(self, rows: int) -> int:
         """The graph bucket a pass of `rows` rows is padded to, or `rows` past the largest."""
         for b in self.buckets:
@@ -364,24 +288,32 @@ class ForwardBatchBuilder:
         """Whether a pass of this bucket and tile size has a graph's shape (`LoopGraphs.fits`)."""
         return bucket in self.buckets and (self.tile_rows is None or tile_rows == self.tile_rows[0])
 
-    def _layout(self, bucket: int, planes: int, cells: int) -> PassLayout:
-        return PassLayout(bucket, planes, self.num_loops if self.residual else 0, cells if self.residual else 0,
-                          self.sparse_decode)
+    def _layout(self, bucket: int, planes: int, infos: list[Any] | None) -> PassLayout:
+        """An eager pass's layout (`infos`: each part's pass information; None: the largest
+        block any pass of `bucket` rows may need, for the upload buffer's size)."""
+        if infos is None:
+            return PassLayout(bucket, planes, tuple(part.columns(None, bucket) for part in self.parts))
+        return PassLayout(bucket, planes, tuple(part.columns(i, bucket) for part, i in zip(self.parts, infos)))
 
     def graph_layout(self, bucket: int, adaptive_exit: bool) -> PassLayout:
-        """The block layout of the graph of `bucket` rows (every request cell column padded)."""
-        return self._layout(bucket, self.num_loops if adaptive_exit else 0, min(bucket, self.max_seqs))
-
-    def graph_residual(self, bucket: int) -> tuple[int, tuple[int, ...]] | None:
-        """(candidates, planes) of a graphed pass's `ResidualPass`: fixed by the bucket (a
-        pass that needs more runs eager)."""
-        if not self.residual:
-            return None
-        return residual_candidates(bucket, self.num_loops, self.residual_tail or 0), tuple(range(self.num_loops))
+        """The block layout of the graph of `bucket` rows (every part's fixed columns)."""
+        return PassLayout(bucket, self.num_loops if adaptive_exit else 0,
+                          tuple(part.graph_columns(bucket) for part in self.parts))
 
     def pad_block(self, layout: PassLayout) -> torch.Tensor:
         """A block of padding rows only (what a CUDA graph is captured on)."""
-        return pad_block(layout, self.pad_slot, self.pad_table, self.device, self.pad_cell)
+        return pad_block(layout, self.pad_slot, self.pad_table, self.device, self.parts)
+
+    def graph_view(self, layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, variant: bool,
+                   num_splits: int, max_context: int | None = None) -> LoopPass:
+        """The `LoopPass` a CUDA graph captures: every row of its bucket, each part's fixed
+        view (`variant`: the graph of passes holding a part's variant note)."""
+        b = layout.bucket
+        lp = pass_view(layout, block, tables, self.page_size, b, [], self.tile_rows[0] if self.tile_rows else 0,
+                       b if self.tile_rows is not None else None, num_splits=num_splits, max_context=max_context)
+        for part, columns in zip(self.parts, layout.views(block)["parts"]):
+            part.graph_view(lp, columns, variant)
+        return lp
 
     def build(self, plan: Plan) -> ForwardBatch:
         cells: list[int] = []
@@ -394,7 +326,6 @@ class ForwardBatchBuilder:
         enter: list[int] = []
         enter_inc: list[int] = []
         by_kind: dict[type, list[tuple[int, RowGroup]]] = {}
-        windows: list[tuple[int, RowGroup, int, int]] = []  # (first row, group, table, inherited table)
         host_groups = plan.host_groups  # results in plan order
         first = 0
         # More loops first (each pass's rows are a prefix), then single-row groups first.
@@ -412,9 +343,6 @@ class ForwardBatchBuilder:
                               for plane in range(group.depth + 1, group.depth + 1 + len(group.deeper_tables))]
             for p in range(group.loops):
                 shapes[p].append(GroupShape(first, n, group.end, planes[p]))
-            if group.window is not None:  # placeholders: the runner selects the rows
-                windows.append((first, group, own, _table_offset(table_at, tables, longest, group.cell,
-                                                                 group.depth - 1)))
             cells.extend([group.cell] * n)
             slots.extend(group.token_slots[:n])
             tokens.extend(group.token_ids if group.token_ids is not None else [-1] * n)
@@ -430,6 +358,8 @@ class ForwardBatchBuilder:
                 head_row = first if isinstance(group.head, Verify) else first + n - 1
                 by_kind.setdefault(type(group.head), []).append((head_row, group))
             first += n
+        for cell, plane in longest:  # tables a group reads beyond its own planes' (a prompt window's inherited)
+            _table_offset(table_at, tables, longest, cell, plane)
         if first > self.max_rows or len(tables) > self.max_tables:
             raise ValueError(f"a plan of {first} rows and {len(tables)} table entries exceeds the forward "
                              f"batch ({self.max_rows} rows, {self.max_tables} table entries)")
@@ -441,37 +371,37 @@ class ForwardBatchBuilder:
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
         ints = cells + slots + tokens + enter + enter_inc + head_ints + tables
-        blocks = []  # (at, layout, rows, tile_rows, tiles, residual) per pass
-        if self.residual_tail is not None:
-            self._start_backlog(plan)
-        # sparse decode attention: each pass's (sources, corrections); corrections leave the dense tiles
-        sparse = [_sparse_rows(ordered, firsts, p) if self.sparse_decode else ([], []) for p in range(num_passes)]
+        blocks = []  # (at, layout, rows, tile_rows, tiles, graphed, infos) per pass
+        for part in self.parts:
+            part.start(plan)
         for p, pass_shapes in enumerate(shapes):
             n = sum(s.rows for s in pass_shapes)
-            tiles, tile_rows = self._tiles(pass_shapes, sparse[p][1])
+            infos = [part.pass_info(ordered, firsts, p, table_at) for part in self.parts]
+            left_out = sorted(r for part, info in zip(self.parts, infos) for r in part.left_out(info))
+            tiles, tile_rows = self._tiles(pass_shapes, left_out)
             bucket = self.bucket(n)
-            rp = self._residual_pass(ordered, p, table_at) if self.residual else None
-            if rp is None:
-                layout = self._layout(bucket, len(plane_columns), 0)
-            elif self.graphed(bucket, tile_rows) and rp[2] <= (fixed := self.graph_residual(bucket))[0]:
+            graphed = self.graphed(bucket, tile_rows) and all(part.fits_graph(info, bucket)
+                                                              for part, info in zip(self.parts, infos))
+            if graphed:
                 layout = self.graph_layout(bucket, bool(plane_columns))  # the graph's shape
-                rp = rp[:2] + fixed
             else:
-                layout = self._layout(bucket, len(plane_columns), len(rp[0]))
-            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, rp and rp[2:]))
-            ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns,
-                                    cells, rp, sparse[p]))
-        sparse_at = []  # per pass: (where its rows start in the upload, sources, corrections)
-        for source, correction in sparse:
-            sparse_at.append((len(ints), len(source), len(correction)))
-            ints.extend(source + correction)
-        window_at = len(ints)
-        if windows:
-            ints.extend(self._window_ints(windows))
-        residual_at = len(ints)
-        if self.residual:
-            residual = self._residual_ints(plan)
-            ints.extend(residual[0])
+                layout = self._layout(bucket, len(plane_columns), infos)
+            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, graphed, infos))
+            ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns))
+            for part, info, size in zip(self.parts, infos, layout.parts):
+                ints.extend(part.block_ints(info, n, cells, size, bucket))
+        tails = []  # per pass and part: where its list starts in the upload
+        for *_, infos in blocks:
+            tails.append([])
+            for part, info in zip(self.parts, infos):
+                tails[-1].append(len(ints))
+                ints.extend(part.tail_ints(info))
+        plan_at = []
+        for part in self.parts:
+            at = len(ints)
+            part_ints, sizes = part.plan_ints(plan, ordered, firsts, table_at)
+            plan_at.append((at, sizes))
+            ints.extend(part_ints)
         if len(ints) > self._ints.numel():
             raise ValueError(f"a plan's {len(ints)} integers exceed the forward batch's upload buffer "
                              f"({self._ints.numel()})")
@@ -481,136 +411,19 @@ class ForwardBatchBuilder:
         self._release_staging()
         batch = self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
                             host_groups, results)
-        for lp, (at, ns, nc) in zip(batch.passes, sparse_at):
-            if ns + nc:  # a pass of prompt rows alone has none
-                lp.sparse = SparseRows(dev_ints[at: at + ns], dev_ints[at + ns: at + ns + nc])
-        if windows:
-            batch.windows = self._window_views(windows, dev_ints, window_at)
-        if self.residual:
-            self._residual_views(batch, residual[1], dev_ints, residual_at)
+        for lp, (_, layout, _, _, _, graphed, infos), starts in zip(batch.passes, blocks, tails):
+            for part, info, columns, at in zip(self.parts, infos, layout.views(lp.block)["parts"], starts):
+                part.pass_view(lp, columns, info, graphed)
+                part.tail_view(lp, dev_ints[at:], info)
+        for part, (at, sizes) in zip(self.parts, plan_at):
+            part.plan_view(batch, dev_ints[at:], sizes)
         return batch
 
-    def _residual_ints(self, plan: Plan) -> tuple[list[int], tuple]:
-        """`ResidualUpdate` and the `ReleaseBatch` as integers, and their sizes."""
-        resets: list[int] = []
-        assign: list[int] = []
-        truncate: list[int] = []
-        for g in plan.groups:
-            if g.records is None:
-                continue
-            if g.records.fresh:
-                resets.append(g.cell)
-            if g.records.truncate is not None:
-                truncate += [g.cell, g.records.truncate]
-            for plane, records in enumerate(g.records.tables):
-                for i, record in enumerate(records):
-                    assign += [g.cell, plane, g.records.first[plane] + i, record]
-        out = resets + assign + truncate
-        bs = self.page_size
-        span = max((f - r * bs for scan in plan.releases for f, r in zip(scan.frontiers, scan.released)), default=0)
-        span = max(0, min(RELEASE_SPAN, -(-span // bs) * bs))
-        for scan in plan.releases:
-            out += [scan.cell, scan.committed, *scan.frontiers, *scan.released]
-        return out, (len(resets), len(assign) // 4, len(truncate) // 2, len(plan.releases), span)
-
-    def _residual_pass(self, ordered: list[RowGroup], p: int, table_at: dict[tuple[int, int], int]
-                       ) -> tuple[list[int], list[int], int, tuple[int, ...]]:
-        """Pass p's `ResidualPass` on the host: its request cells, their planes' page-table
-        offsets (row-major, -1 below the cell's shallowest row in the pass), candidates and
-        the planes it has rows at."""
-        shallowest: dict[int, int] = {}
-        rows: dict[tuple[int, int], int] = {}  # per (cell, plane)
-        for g in ordered:
-            if g.loops > p:
-                shallowest[g.cell] = min(shallowest.get(g.cell, self.num_loops), g.depth + p)
-                rows[g.cell, g.depth + p] = rows.get((g.cell, g.depth + p), 0) + g.num_rows
-        cells = list(shallowest)
-        plane_tables = [table_at.get((c, plane), -1) if plane >= shallowest[c] else -1
-                        for c in cells for plane in range(self.num_loops)]
-        depths = tuple(sorted({q for _, q in rows}))
-        if self.residual_tail is None:  # serial: a cell's rows in the pass, whatever their planes
-            per_cell: dict[int, int] = {}
-            for (c, _), n in rows.items():
-                per_cell[c] = per_cell.get(c, 0) + n
-            return cells, plane_tables, residual_candidates(max(per_cell.values(), default=0), self.num_loops), depths
-        # execution: the groups the previous pass at each plane left full may seal here
-        most = max((self._backlog[c][q] + n for (c, q), n in rows.items()), default=0)
-        for (c, q), n in rows.items():
-            self._backlog[c][q] = n
-        return cells, plane_tables, residual_candidates(most, self.num_loops, self.residual_tail), depths
-
-    def _start_backlog(self, plan: Plan) -> None:
-        """Before a plan's passes (execution policy): a cell whose request starts over has
-        no rows; one the builder has no history of (`forget_backlog`: restored from a
-        snapshot) may hold any number of full groups not encoded yet."""
-        for g in plan.groups:
-            if g.records is not None and g.records.fresh:
-                self._backlog[g.cell] = [0] * self.num_loops
-            elif g.cell not in self._backlog:
-                self._backlog[g.cell] = [self.max_len] * self.num_loops
-
-    def forget_backlog(self, cell: int) -> None:
-        """The cell's planes were written outside the plans (a snapshot restored into it):
-        its next pass at each plane looks at every group it may hold."""
-        self._backlog.pop(cell, None)
-
-    def _residual_views(self, batch: ForwardBatch, sizes: tuple, ints: torch.Tensor, at: int) -> None:
-        num_resets, num_assign, num_truncate, num_scans, span = sizes
-        resets = ints[at: at + num_resets]
-        at += num_resets
-        assign = ints[at: at + 4 * num_assign].view(num_assign, 4)
-        at += 4 * num_assign
-        truncate = ints[at: at + 2 * num_truncate].view(num_truncate, 2)
-        at += 2 * num_truncate
-        batch.residual_update = ResidualUpdate(resets, assign, truncate)
-        if num_scans:
-            p = self.num_loops
-            scans = ints[at: at + num_scans * (2 + 2 * p)].view(num_scans, 2 + 2 * p)
-            batch.release = ReleaseBatch(scans[:, 0], scans[:, 2: 2 + p], scans[:, 1], scans[:, 2 + p:], span)
-
-    def _window_ints(self, windows: list[tuple[int, RowGroup, int, int]]) -> list[int]:
-        """`WindowBatch`'s integers: padded window slots, per-group info, per-row entries."""
-        width = max(len(g.token_slots) for _, g, _, _ in windows)
-        out: list[int] = []
-        for _, g, _, _ in windows:
-            out += g.token_slots + [self.pad_slot] * (width - len(g.token_slots))
-        for _, g, own, inherited in windows:
-            out += [g.start, len(g.token_slots), g.depth, g.window.budget, int(g.window.first == 0), own, inherited]
-        rows, of, ranks = [], [], []
-        moved_of, moved_ranks = [], []
-        for i, (row, g, _, _) in enumerate(windows):
-            w = g.window
-            rows += range(row, row + w.rows)
-            of += [i] * w.rows
-            ranks += range(w.first, w.first + w.rows)
-            if w.first == 0:
-                moved_of += [i] * (len(g.token_slots) - w.budget)
-                moved_ranks += range(w.budget, len(g.token_slots))
-        return out + rows + of + ranks + moved_of + moved_ranks
-
-    def _window_views(self, windows: list[tuple[int, RowGroup, int, int]], ints: torch.Tensor,
-                      at: int) -> WindowBatch:
-        g, width = len(windows), max(len(w.token_slots) for _, w, _, _ in windows)
-        r = sum(w.window.rows for _, w, _, _ in windows)
-        slots = ints[at: at + g * width].view(g, width)
-        at += g * width
-        info = ints[at: at + g * WINDOW_INFO].view(g, WINDOW_INFO)
-        at += g * WINDOW_INFO
-        rows, of, ranks = ints[at: at + r], ints[at + r: at + 2 * r], ints[at + 2 * r: at + 3 * r]
-        at += 3 * r
-        m = sum(len(w.token_slots) - w.window.budget for _, w, _, _ in windows if w.window.first == 0)
-        moved_of, moved_ranks = ints[at: at + m], ints[at + m: at + 2 * m]
-        host = [WindowRows(grp.request_id, row, grp.window.rows, slots[i, : len(grp.token_slots)], grp.start,
-                           grp.depth, grp.window.budget, grp.window.first, grp.head is not None)
-                for i, (row, grp, _, _) in enumerate(windows)]
-        return WindowBatch(host, slots, info, rows, of, ranks, moved_of, moved_ranks)
-
     def _block(self, layout: PassLayout, n: int, p: int, positions: list[int], depths: list[int],
-               slots: list[int], shapes: list[GroupShape], tiles: list[int], plane_columns: list[list[int]],
-               cells: list[int], residual: tuple | None, sparse: tuple[list[int], list[int]]) -> list[int]:
-        """Pass p's block (`PassLayout`): its n rows' columns, then padding up to the bucket;
-        with INT4 residuals the rows' cells and the pass's (cells, plane tables), padded up
-        to the layout's cells; with sparse decode attention the rows' roles."""
+               slots: list[int], shapes: list[GroupShape], tiles: list[int], plane_columns: list[list[int]]
+               ) -> list[int]:
+        """Pass p's block (`PassLayout`) up to the parts' columns: its n rows' columns, then
+        padding up to the bucket."""
         pad = layout.bucket - n
         out = positions[:n] + [0] * pad
         out += [d + p for d in depths[:n]] + [0] * pad
@@ -621,32 +434,19 @@ class ForwardBatchBuilder:
         out += tiles + [0] * (TILE_COLUMNS * layout.bucket - len(tiles))
         for column in plane_columns:
             out += column[:n] + [-1] * pad
-        if residual is not None:
-            pass_cells, plane_tables = residual[:2]
-            more = layout.residual_cells - len(pass_cells)
-            out += cells[:n] + [self.pad_cell] * pad
-            out += pass_cells + [self.pad_cell] * more
-            out += plane_tables + [-1] * (more * layout.residual_planes)
-        if layout.sparse:
-            roles = [0] * layout.bucket
-            for row in sparse[0]:
-                roles[row] = 1
-            for row in sparse[1]:
-                roles[row] = 2
-            out += roles
         return out
 
-    def _tiles(self, shapes: list[GroupShape], corrections: list[int]) -> tuple[list[int], int]:
-        """(tiles, tile rows): the pass's query tiles without its sparse decode correction
-        rows (a tail of their groups; the correction step computes them)."""
+    def _tiles(self, shapes: list[GroupShape], left_out: list[int]) -> tuple[list[int], int]:
+        """(tiles, tile rows): the pass's query tiles without the rows a part leaves out (a
+        tail of their groups: sparse decode's corrections, which its own step computes)."""
         if self.tile_rows is None:
             return [], 0
         small, large = self.tile_rows
         size = small if max((s.rows for s in shapes), default=0) <= small else large
         dense = []
-        for s in shapes:  # corrections ascend, a tail of each group's rows (`_sparse_rows`)
-            c = bisect.bisect_left(corrections, s.first + s.rows) - bisect.bisect_left(corrections, s.first)
-            assert c == 0 or corrections[bisect.bisect_left(corrections, s.first)] == s.first + s.rows - c
+        for s in shapes:  # rows left out ascend, a tail of each group's rows
+            c = bisect.bisect_left(left_out, s.first + s.rows) - bisect.bisect_left(left_out, s.first)
+            assert c == 0 or left_out[bisect.bisect_left(left_out, s.first)] == s.first + s.rows - c
             dense.append((s.first, s.rows - c, s.table))
         return query_tiles(dense, size), size
 
@@ -687,10 +487,10 @@ class ForwardBatchBuilder:
         head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
         bs = self.page_size
         passes = []
-        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, residual) in zip(shapes, blocks):
+        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, _, _) in zip(shapes, blocks):
             tiled = self.tile_rows is not None
             passes.append(pass_view(layout, ints[start: start + layout.size], tables, bs, rows, pass_shapes,
-                                    tile_rows, num_tiles if tiled else None, residual=residual))
+                                    tile_rows, num_tiles if tiled else None))
         segments: dict[type, HeadSegment] = {}
         start = 0
         for kind in HEAD_TYPES:
@@ -708,30 +508,19 @@ class ForwardBatchBuilder:
 
 def pass_view(layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, page_size: int, rows: int,
               shapes: list[GroupShape], tile_rows: int, num_tiles: int | None,
-              num_splits: int | None = None, residual: tuple[int, tuple[int, ...]] | None = None,
-              sparse_roles: bool = False, max_context: int | None = None) -> LoopPass:
+              num_splits: int | None = None, max_context: int | None = None) -> LoopPass:
     """The `LoopPass` of a block: views of its first `rows` rows (a CUDA graph calls this
-    inside its capture, with every row of the bucket); `residual` (candidates, planes with
-    rows) where the layout holds residual columns; `sparse_roles`: the pass's `SparseRows`
-    are every row, with the roles column saying which play a part (a CUDA graph's)."""
+    inside its capture, with every row of the bucket); the batch parts add their notes."""
     v = layout.views(block)
-    lp = LoopPass(rows, v["positions"][:rows], v["depths"][:rows], tables, v["table_offsets"][:rows],
-                  v["planes"][:rows] if layout.planes else None, shapes, page_size,
-                  tiles=v["tiles"][:num_tiles] if num_tiles is not None else None, tile_rows=tile_rows,
-                  token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits,
-                  max_context=max_context)
-    if sparse_roles:
-        roles = v["roles"][:rows]
-        every = torch.arange(rows, device=block.device)
-        lp.sparse = SparseRows(every, every, roles == 1, roles == 2, every=True)
-    if layout.residual_planes:
-        assert residual is not None, "a block with residual columns needs its candidates"
-        lp.residual = ResidualPass(v["cells"][:rows], v["pass_cells"], v["plane_tables"], *residual)
-    return lp
+    return LoopPass(rows, v["positions"][:rows], v["depths"][:rows], tables, v["table_offsets"][:rows],
+                    v["planes"][:rows] if layout.planes else None, shapes, page_size,
+                    tiles=v["tiles"][:num_tiles] if num_tiles is not None else None, tile_rows=tile_rows,
+                    token_slots=v["token_slots"][:rows], block=block, bucket=layout.bucket, num_splits=num_splits,
+                    max_context=max_context)
 
 
-def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.device, pad_cell: int = 0
-              ) -> torch.Tensor:
+def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.device,
+              parts: Sequence[BatchPart] = ()) -> torch.Tensor:
     """A block of padding rows only (what a CUDA graph is captured on)."""
     block = torch.zeros(layout.size, dtype=torch.long, device=device)
     b = layout.bucket
@@ -739,26 +528,10 @@ def pad_block(layout: PassLayout, pad_slot: int, pad_table: int, device: torch.d
     block[3 * b: 4 * b] = pad_table
     at = (4 + TILE_COLUMNS + layout.planes) * b
     block[(4 + TILE_COLUMNS) * b: at] = -1
-    if layout.residual_planes:
-        c = layout.residual_cells
-        block[at: at + b + c] = pad_cell
-        block[at + b + c: at + b + c * (1 + layout.residual_planes)] = -1  # (then roles 0)
+    for part, n in zip(parts, layout.parts):
+        block[at: at + n] = part.pad(n, b).to(device)
+        at += n
     return block
-
-
-def _sparse_rows(ordered: list[RowGroup], firsts: list[int], p: int) -> tuple[list[int], list[int]]:
-    """Pass p's generated-token rows (positions at or past their group's `decode_from`):
-    those at depth 1 (sparse decode sources) and those deeper (corrections). A sparse
-    prefill window's rows are prompt rows."""
-    source: list[int] = []
-    correction: list[int] = []
-    for group, first in zip(ordered, firsts):
-        depth = group.depth + p
-        if group.loops <= p or depth < 1 or group.window is not None or group.end <= group.decode_from:
-            continue
-        skip = max(0, group.decode_from - group.start)
-        (source if depth == 1 else correction).extend(range(first + skip, first + group.num_rows))
-    return source, correction
 
 
 def _longest_tables(groups: list[RowGroup]) -> dict[tuple[int, int], list[int]]:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from specloop.runtime.forward_batch import ForwardBatchBuilder, LoopPass, PassLayout, pass_view
+from specloop.runtime.forward_batch import ForwardBatchBuilder, LoopPass, PassLayout
 from specloop.runtime.kv_format import PagedKV
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class _Graph:
-    def __init__(self, layout: PassLayout, block: torch.Tensor, hidden: torch.Tensor, sparse: bool) -> None:
+    def __init__(self, layout: PassLayout, block: torch.Tensor, hidden: torch.Tensor, variant: bool) -> None:
         self.layout = layout
-        self.sparse = sparse  # the variant with sparse decode attention's rows
+        self.variant = variant  # the graph of passes holding a batch part's variant note (sparse decode rows)
         self.block = block
         self.hidden = hidden
         self.out: torch.Tensor | None = None
@@ -75,25 +75,26 @@ class LoopGraphs:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.splits = {b: kv.splits(b, num_kv_heads, max_context, sms) for b in self.buckets}
         self.max_context = max_context
-        # Per (bucket, whether the pass has sparse decode rows): passes without them (loop 1,
-        # prompts) skip that work, which a graph would otherwise launch over padding. With INT4
-        # residuals the sparse decode kernels read the packed planes in place (no transient), so
-        # those passes capture too.
-        self.variants = (False, True) if batches.sparse_decode else (False,)
+        # Per (bucket, whether the pass holds a batch part's variant note: sparse decode rows):
+        # passes without them (loop 1, prompts) skip that work, which a graph would otherwise
+        # launch over padding. With INT4 residuals the sparse decode kernels read the packed
+        # planes in place (no transient), so those passes capture too.
+        self.variant_notes = batches.variants
+        self.variants = (False, True) if self.variant_notes else (False,)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self._hidden_size, self._dtype, self._adaptive_exit = hidden_size, dtype, adaptive_exit
         self.replays = 0  # passes run through a graph (tests count them)
-        self.sparse_replays = 0  # ... of them, with sparse decode attention's rows
+        self.sparse_replays = 0  # ... of them, through a variant graph (sparse decode attention's rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool; logs time and memory."""
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for b, sparse in [(b, sparse) for b in sorted(self.buckets, reverse=True) for sparse in self.variants]:
+        for b, variant in [(b, v) for b in sorted(self.buckets, reverse=True) for v in self.variants]:
             layout = self.batches.graph_layout(b, self._adaptive_exit)
             g = _Graph(layout, self.batches.pad_block(layout),
-                       torch.zeros(b, self._hidden_size, dtype=self._dtype, device=self.device), sparse)
+                       torch.zeros(b, self._hidden_size, dtype=self._dtype, device=self.device), variant)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -102,26 +103,26 @@ class LoopGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             with torch.cuda.graph(g.graph, pool=pool):
                 g.out = self._body(g)
-            self.graphs[b, sparse] = g
+            self.graphs[b, variant] = g
         torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs of a loop pass (buckets %s rows%s) in %.2f s, %.0f MiB of graph memory",
                  len(self.graphs), ",".join(map(str, self.buckets)),
-                 ", each with and without sparse decode rows" if len(self.variants) > 1 else "",
+                 ", each with and without its variant (sparse decode rows)" if len(self.variants) > 1 else "",
                  time.perf_counter() - start,
                  (torch.cuda.memory_reserved(self.device) - before) / 2**20)
 
     def _body(self, g: _Graph) -> torch.Tensor:
         b = g.layout.bucket
-        lp = pass_view(g.layout, g.block, self.tables, self.page_size, b, [], self.tile_rows, b,
-                       num_splits=self.splits[b], residual=self.batches.graph_residual(b),
-                       sparse_roles=g.sparse,
-                       max_context=self.max_context)
+        lp = self.batches.graph_view(g.layout, g.block, self.tables, g.variant, self.splits[b], self.max_context)
         return self.run_pass(lp, g.hidden)
 
     def fits(self, lp: LoopPass) -> bool:
         """A pass replays when its rows fill a captured bucket and its tiles are the small ones
         (the builder gave such a pass the graph's layout: `ForwardBatchBuilder.graphed`)."""
-        return (lp.bucket, lp.sparse is not None) in self.graphs and lp.tile_rows == self.tile_rows
+        return (lp.bucket, self._variant(lp)) in self.graphs and lp.tile_rows == self.tile_rows
+
+    def _variant(self, lp: LoopPass) -> bool:
+        return any(note in lp.notes for note in self.variant_notes)
 
     def load_tables(self, tables: torch.Tensor) -> None:
         """The call's page tables into the graphs' table buffer (once per call)."""
@@ -131,10 +132,10 @@ class LoopGraphs:
         """Run pass `lp` through its bucket's graph; returns a view of the graph's output
         (valid until the next replay of that bucket: stream order protects readers enqueued
         before it)."""
-        g = self.graphs[lp.bucket, lp.sparse is not None]
+        g = self.graphs[lp.bucket, self._variant(lp)]
         g.block.copy_(lp.block)
         g.hidden[: lp.num_rows].copy_(hidden)
         g.graph.replay()
         self.replays += 1
-        self.sparse_replays += g.sparse
+        self.sparse_replays += g.variant
         return g.out[: lp.num_rows]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from specloop.runtime.forward_batch import ForwardBatch, LoopPass, ReleaseBatch
+from specloop.flashloop.kv_residual.batch import ReleaseBatch, ResidualPass, ResidualUpdate
+from specloop.runtime.forward_batch import ForwardBatch, LoopPass
 from specloop.flashloop.kv_residual.planes import NEVER, EncodePlan, PackedResiduals
 
 
@@ -19,19 +20,20 @@ class ResidualDevice:
         self.committed = torch.full((max_cells + 1,), 2**62, dtype=torch.long, device=device)
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if batch.residual_update is not None:  # before anything appends rows
-            self.store.apply(batch.residual_update)
-        if batch.release is not None:
-            self.committed[batch.release.cells] = batch.release.committed
+        update, release = batch.notes.get(ResidualUpdate), batch.notes.get(ReleaseBatch)
+        if update is not None:  # before anything appends rows
+            self.store.apply(update)
+        if release is not None:
+            self.committed[release.cells] = release.committed
 
     def start_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> None:
-        if lp.residual is not None:  # the pass's rows join their planes; groups that turn ready seal
-            lp.encode_plan = self._plan(lp, keep)
+        if ResidualPass in lp.notes:  # the pass's rows join their planes; groups that turn ready seal
+            lp.notes[EncodePlan] = self._plan(lp, keep)
 
     def _plan(self, lp: LoopPass, keep: torch.Tensor | None) -> EncodePlan:
         """Append the pass's rows that write K/V (not exited; padding rows of a graph's bucket
         append nothing) and plan which groups encode."""
-        store, info = self.store, lp.residual
+        store, info = self.store, lp.notes[ResidualPass]
         active = info.cells != store.pad_cell
         if keep is not None:
             active &= ~keep
@@ -69,8 +71,9 @@ class ResidualDevice:
         return store.plan_encode(plan, self.committed, first)
 
     def finish(self, batch: ForwardBatch, final: torch.Tensor) -> torch.Tensor | None:
-        if batch.release is not None and batch.release.span > 0:
-            return self._releasable(batch.release)
+        release = batch.notes.get(ReleaseBatch)
+        if release is not None and release.span > 0:
+            return self._releasable(release)
         return None
 
     def _releasable(self, scan: ReleaseBatch) -> torch.Tensor:

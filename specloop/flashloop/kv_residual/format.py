@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from specloop.flashloop.kv_residual.batch import ResidualPass
 from specloop.kernels.packed_attention import packed_attention, packed_splits
 from specloop.kernels.sparse_decode_common import PackedRows
 from specloop.runtime.kv_format import KeyReader, PagedKV
@@ -36,9 +37,10 @@ class PackedPlanes(PagedKV):
         self.planes = planes
 
     def pass_state(self, lp: Any) -> PassReads | None:
-        if lp.encode_plan is None:
+        plan = lp.notes.get(EncodePlan)
+        if plan is None:
             return None
-        return PassReads(lp.residual.cells, lp.depths, lp.positions, lp.encode_plan, lp.tables)
+        return PassReads(lp.notes[ResidualPass].cells, lp.depths, lp.positions, plan, lp.tables)
 
     def encode(self, layer: int, state: PassReads | None) -> None:
         """The groups that turned ready in this pass, before anyone reads them."""

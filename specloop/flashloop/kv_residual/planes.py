@@ -62,7 +62,7 @@ from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_keys import PackedKV
 from specloop.kernels.packed_rows import NEVER  # seal of a group no query reads reconstructed (not encoded yet)
 from specloop.kernels.residual_encode import encode_groups
-from specloop.runtime.forward_batch import ResidualUpdate
+from specloop.flashloop.kv_residual.batch import ResidualUpdate
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specloop.errors import SnapshotError
-from specloop.runtime.forward_batch import ResidualUpdate
+from specloop.flashloop.kv_residual.batch import ResidualUpdate
 from specloop.flashloop.kv_residual.planes import PackedResiduals
 from specloop.scheduling.kv_manager import KVManager
 from specloop.scheduling.request import Request

@@ -15,7 +15,7 @@ import torch
 from specloop.runtime.forward_batch import LoopPass
 from specloop.runtime.kv_format import PagedKV
 from specloop.flashloop.sparse_decode.references import DecodeReferences, KeptScores
-from specloop.runtime.forward_batch import SparseRows
+from specloop.flashloop.sparse_decode.batch import SparseRows
 
 
 @dataclasses.dataclass
@@ -40,10 +40,11 @@ class SparseDecodeStep:
     def build(self, lp: LoopPass, keep: torch.Tensor | None, keep_scores: bool) -> SparsePass | None:
         """The pass's generated-token rows (None: it has none); `keep_scores`: the dense launch
         can keep every source row's scores (once per pass: every layer's launch uses them)."""
-        if lp.sparse is None:
+        rows = lp.notes.get(SparseRows)
+        if rows is None:
             return None
         longest = lp.max_context if lp.max_context is not None else max((g.context for g in lp.groups), default=0)
-        sp = SparsePass(lp.sparse, lp.tables, lp.positions, lp.table_offsets, lp.token_slots, longest, keep)
+        sp = SparsePass(rows, lp.tables, lp.positions, lp.table_offsets, lp.token_slots, longest, keep)
         sources = sp.rows.source
         if not keep_scores or sources is None:
             return sp

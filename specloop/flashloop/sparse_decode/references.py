@@ -45,7 +45,7 @@ from specloop.kernels.sparse_decode_correction import decode_correction
 from specloop.kernels.sparse_decode_source import (
     SCRATCH_BYTES, decode_select, decode_source, scratch_keys, scratch_rows,
 )
-from specloop.runtime.forward_batch import SparseRows
+from specloop.flashloop.sparse_decode.batch import SparseRows
 from specloop.runtime.kv_format import KeyReader
 
 

@@ -9,6 +9,7 @@ import torch
 
 from specloop.flashloop.config import SCORE_EPS
 from specloop.flashloop.token_sparse_prefill import select
+from specloop.flashloop.token_sparse_prefill.batch import WindowBatch
 from specloop.runtime.forward_batch import ForwardBatch, LoopPass
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
@@ -22,15 +23,17 @@ class WindowDevice:
         self.probe: select.Probe | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if batch.windows is not None:  # before anything reads the rows' slots or positions
-            select.run(self.slots, self.kv, batch.windows, batch.token_slots, batch.passes[0], batch.tables,
+        windows = batch.notes.get(WindowBatch)
+        if windows is not None:  # before anything reads the rows' slots or positions
+            select.run(self.slots, self.kv, windows, batch.token_slots, batch.passes[0], batch.tables,
                        batch.page_size, SCORE_EPS, self.probe)
 
     def start_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> None:
         pass
 
     def finish(self, batch: ForwardBatch, final: torch.Tensor) -> None:
-        for w in batch.windows.windows if batch.windows is not None else ():  # the prompt's last token
+        windows = batch.notes.get(WindowBatch)
+        for w in windows.windows if windows is not None else ():  # the prompt's last token
             if w.head:  # samples from its state, run here or not (slices: a 0-d device index reads back)
                 last = w.first + w.rows
                 final[last - 1: last] = self.slots.hidden[w.window_slots[-1:]]

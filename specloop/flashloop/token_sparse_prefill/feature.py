@@ -7,7 +7,7 @@ import math
 from specloop.errors import ConfigError
 from specloop.flashloop.config import TokenSparsePrefill
 from specloop.runtime.feature import Sizing
-from specloop.runtime.forward_batch import WINDOW_INFO
+from specloop.flashloop.token_sparse_prefill.batch import WINDOW_INFO
 
 
 class TokenSparsePrefillFeature:

@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from specloop.runtime.forward_batch import LoopPass, WindowBatch, WindowRows, kv_slots
+from specloop.flashloop.token_sparse_prefill.batch import WindowBatch, WindowRows
+from specloop.runtime.forward_batch import LoopPass, kv_slots
 from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 
