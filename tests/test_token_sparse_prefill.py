@@ -449,7 +449,7 @@ def test_graphs_replay_window_rows(tiny_ckpt, refs):
     built, replayed = [], []
     build, replay = runner.batches.build, runner.graphs.replay
     runner.batches.build = lambda plan: built.append(build(plan)) or built[-1]
-    runner.graphs.replay = lambda lp, hidden: (replayed.append(bool(built[-1].windows)), replay(lp, hidden))[1]
+    runner.graphs.replay = lambda lp, hidden: (replayed.append(WindowBatch in built[-1].notes), replay(lp, hidden))[1]
     got = _run(engine, PROMPTS, stagger=True)
     assert any(replayed), "no pass with window rows was replayed"
     for r, (tokens, logprobs) in eager.items():
