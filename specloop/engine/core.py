@@ -297,16 +297,16 @@ class EngineCore:
     def stats(self) -> EngineStats:
         m = self.metrics
         records, held = self.kv.records, set(self.kv.requests())
-        features = {k: v for f in self.features for k, v in f.stats().items()}
+        features = {k: v for f in [self.scheduler.prompts, *self.features] for k, v in f.stats().items()}
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
                            m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions,
-                           self.scheduler.prefill_rows_skipped, group_summary(self.config.token_sparse_prefill),
-                           group_summary(self.config.kv_residual_quantization),
-                           records.total_bytes_used if records is not None else 0,
-                           records.num_free if records is not None else 0,
-                           {r.request_id: self.kv.bytes_used(r.kv_key) for r in self.scheduler.running
-                            if r.kv_key in held},
+                           token_sparse_prefill=group_summary(self.config.token_sparse_prefill),
+                           kv_residual_quantization=group_summary(self.config.kv_residual_quantization),
+                           kv_record_bytes_used=records.total_bytes_used if records is not None else 0,
+                           kv_records_free=records.num_free if records is not None else 0,
+                           kv_bytes_per_request={r.request_id: self.kv.bytes_used(r.kv_key)
+                                                 for r in self.scheduler.running if r.kv_key in held},
                            sparse_decode_attention=group_summary(self.config.sparse_decode_attention),
                            **features)
 

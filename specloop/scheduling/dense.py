@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from specloop.scheduling.controller import Commit, Controller, GroupBuilder, Rollback
-from specloop.plan import Head, RowGroup, Sample
+from specloop.plan import Head, RowGroup, Sample, SparseWindow
 from specloop.scheduling.request import Request
 
 
@@ -56,7 +56,7 @@ class DenseController:
         return budget
 
     def group(self, req: Request, depth: int, start: int, end: int, builder: GroupBuilder,
-              loops: int = 1, window: tuple[int, int, int] | None = None) -> RowGroup:
+              loops: int = 1, window: SparseWindow | None = None) -> RowGroup:
         """Rows [start, end) through `loops` loops from `depth` (a prompt window's last group
         at a sparse depth: `window`); the request's last row at full depth samples."""
         head = None
@@ -65,7 +65,7 @@ class DenseController:
         if last and not resume and req.wants_more_samples:
             head = Sample(req.params, req.produced)
         if window is not None:
-            group = builder.window_group(req, depth, start, end, *window, head=head)
+            group = builder.window_group(req, depth, start, end, window, head=head)
         else:
             group = builder.group(req, depth, start, end, head=head, loops=loops)
         if resume:  # the replayed prefix is in: speculation resumes from the last committed token
@@ -95,8 +95,11 @@ class DenseBuilder(GroupBuilder, Protocol):
 
     def queue_entry(self, req: Request, start: int, rows: int) -> None: ...
 
-    def window_group(self, req: Request, depth: int, start: int, end: int, budget: int, first: int, rows: int,
+    def window_group(self, req: Request, depth: int, start: int, end: int, window: SparseWindow,
                      head: Head = None) -> RowGroup:
-        """Ranks [first, first + rows) of the `budget` tokens prompt window [start, end) keeps
-        at `depth` (`SparseWindow`)."""
+        """The rows of `window` (`SparseWindow`: some of [start, end)) at `depth`."""
+        ...
+
+    def page_table(self, req: Request, plane: int, end: int) -> list[int]:
+        """The pages of the request's plane covering positions [0, end)."""
         ...

@@ -31,6 +31,9 @@ class PromptPlanning(Protocol):
     def release_frontiers(self, frontiers: list[int]) -> list[int]:
         """Where a release scan may look per plane, from the planes' frontiers."""
 
+    def stats(self) -> dict[str, int]:
+        """Its `EngineStats` fields (token-sparse prefill: `prefill_rows_skipped`)."""
+
 
 class DensePrompts:
     """Every prompt position planned on its own: it enters when a token slot is free."""
@@ -53,3 +56,6 @@ class DensePrompts:
 
     def release_frontiers(self, frontiers: list[int]) -> list[int]:
         return frontiers
+
+    def stats(self) -> dict[str, int]:
+        return {}

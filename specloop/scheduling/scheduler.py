@@ -79,10 +79,13 @@ class _PlanBuilder:
               slots: list[int] | None = None, token_ids: list[int] | None = None, loops: int = 1) -> RowGroup:
         return self._finished(self._s.build_group(req, depth, start, end, head, slots, token_ids, loops))
 
-    def window_group(self, req: Request, depth: int, start: int, end: int, budget: int, first: int, rows: int,
+    def window_group(self, req: Request, depth: int, start: int, end: int, window: SparseWindow,
                      head: Head = None) -> RowGroup:
-        return self._finished(self._s.build_group(req, depth, start, end, head, None, None, 1,
-                                                  window=(budget, first, rows)))
+        return self._finished(self._s.build_group(req, depth, start, end, head, None, None, 1, window=window))
+
+    def page_table(self, req: Request, plane: int, end: int) -> list[int]:
+        """The pages of the request's plane covering positions [0, end)."""
+        return self._s.kv.page_table(req.kv_key, plane)[: -(-end // self._s.kv.block_size)]
 
     def _finished(self, group: RowGroup) -> RowGroup:
         if group.last_depth == self._s.num_loops - 1 and group.completes:
@@ -125,7 +128,6 @@ class Scheduler:
         self.reserve_max_tokens = False
         self.watermark_pages = max(kv.num_planes, kv.num_pages // 100)  # kept free at admission while others run
         self.num_preemptions = 0
-        self.prefill_rows_skipped = 0  # prompt token-loops token-sparse prefill planned to leave out
         self._returning = 0  # pages of preempted requests whose release waits for a ticket
         self.preemption_mode = preemption_mode
         # Swap preemption's device half, set by the engine: snapshot a quiet request to host
@@ -416,15 +418,16 @@ class Scheduler:
 
     def build_group(self, req: Request, depth: int, start: int, end: int, head: Head,
                     slots: list[int] | None, token_ids: list[int] | None, loops: int = 1,
-                    window: tuple[int, int, int] | None = None) -> RowGroup:
+                    window: SparseWindow | None = None) -> RowGroup:
         """Rows [start, end) of a request through `loops` loops from `depth`: token slots,
         KV frontiers, page tables.
 
         Rows entering depth 0 take token slots (`slots` when the controller took them
         already, the ones a prompt window took when its first token entered, else fresh);
         rows finishing the last depth give theirs up (`_PlanBuilder` releases them once the
-        plan's ticket completes). `window` = (budget, first, rows): a sparse loop of a prompt
-        window (`SparseWindow`); the frontier moves past the window with its last group."""
+        plan's ticket completes). `window`: the rows run only part of [start, end) (a prompt
+        window's sparse loop, `SparseWindow`); the frontier moves past [start, end) with the
+        group that completes it."""
         last = depth + loops - 1
         if loops < 1 or last >= self.num_loops:
             raise AssertionError(f"loops {depth}..{last} outside 0..{self.num_loops - 1}")
@@ -437,14 +440,9 @@ class Scheduler:
                 req.token_slots[pos] = slot
         rows = [req.token_slots[p] for p in range(start, end)]
         pages = -(-end // self.kv.block_size)
-        sparse = None
-        if window is not None:
-            if loops != 1 or depth < 1:
-                raise AssertionError(f"a sparse window group runs one loop past depth 0, not {depth}..{last}")
-            sparse = SparseWindow(*window, inherit_table=self.kv.page_table(key, depth - 1)[:pages])
-            if sparse.first == 0:
-                self.prefill_rows_skipped += end - start - sparse.budget
-        completes = sparse is None or sparse.completes
+        if window is not None and (loops != 1 or depth < 1):
+            raise AssertionError(f"a window group runs one loop past depth 0, not {depth}..{last}")
+        completes = window is None or window.completes
         if last == self.num_loops - 1 and completes:
             for pos in range(start, end):
                 del req.token_slots[pos]
@@ -465,7 +463,7 @@ class Scheduler:
         return RowGroup(request_id=req.request_id, incarnation=req.incarnation, arrival=req.arrival, cell=req.cell,
                         depth=depth, start=start, end=end, token_ids=token_ids, token_slots=rows,
                         page_table=self.kv.page_table(key, depth)[:pages], deeper_tables=deeper, head=head,
-                        loops=loops, window=sparse, records=records, decode_from=len(req.prompt_ids))
+                        loops=loops, window=window, records=records, decode_from=len(req.prompt_ids))
 
     def _take(self, positions: list[int], prompt: int) -> list[int]:
         """Slots for entering `positions` (ascending): prompt positions from the general pool,

@@ -12,7 +12,7 @@ one can free.
 from __future__ import annotations
 
 from specloop.flashloop.config import TokenSparsePrefill
-from specloop.plan import RowGroup
+from specloop.plan import RowGroup, SparseWindow
 from specloop.scheduling.controller import Controller
 from specloop.scheduling.dense import DenseBuilder, DenseController
 from specloop.scheduling.request import Request
@@ -25,6 +25,7 @@ class WindowedController(DenseController):
     def __init__(self, num_loops: int, handoff: Controller | None, windows: TokenSparsePrefill) -> None:
         super().__init__(num_loops, handoff)
         self.windows = windows
+        self.rows_skipped = 0  # prompt token-loops planned to be left out (a recomputed window counts again)
 
     def _advance(self, req: Request, depth: int, start: int, ready: int, budget: int, builder: DenseBuilder,
                  groups: list[RowGroup]) -> int:
@@ -56,10 +57,13 @@ class WindowedController(DenseController):
         keep = self.windows.budget(depth, end - start)
         first = req.window_rows.pop(depth, 0)
         rows = min(budget, keep - first)
-        if first + rows < keep:
+        window = SparseWindow(keep, first, rows, inherit_table=builder.page_table(req, depth - 1, end))
+        if first == 0:
+            self.rows_skipped += end - start - keep
+        if not window.completes:
             req.window_rows[depth] = first + rows
-            return builder.window_group(req, depth, start, end, keep, first, rows)
-        return self.group(req, depth, start, end, builder, window=(keep, first, rows))
+            return builder.window_group(req, depth, start, end, window)
+        return self.group(req, depth, start, end, builder, window=window)
 
 
 class WindowedPrompts:
@@ -68,9 +72,14 @@ class WindowedPrompts:
     def __init__(self, windows: TokenSparsePrefill) -> None:
         assert windows.active, "a windowed plan needs a sparse loop"
         self.windows = windows
+        self._controller: WindowedController | None = None
 
     def controller(self, num_loops: int, handoff: Controller | None) -> DenseController:
-        return WindowedController(num_loops, handoff, self.windows)
+        self._controller = WindowedController(num_loops, handoff, self.windows)
+        return self._controller
+
+    def stats(self) -> dict[str, int]:
+        return {"prefill_rows_skipped": self._controller.rows_skipped if self._controller is not None else 0}
 
     def entry_rows(self, pool: TokenSlotPool, req: Request, start: int, rows: int, may_start: bool) -> int:
         """A window's first token takes the slots of the whole window; positions past the
