@@ -7,8 +7,9 @@ norm, adaptive exit with LAST_EXITED inheritance, the slot-storage writes), capt
 start-up over stable-address inputs:
 
 - a pass block in the `PassLayout` of b rows (positions, depths, token slots, page-table
-  offsets, query tiles, planes; with INT4 residuals the rows' request cells and the pass's
-  cells with their planes' tables), which a replay fills with one device copy of the block
+  offsets, query tiles, planes, then each batch part's fixed columns: with INT4 residuals
+  the rows' request cells and the pass's cells with their planes' tables, with sparse
+  decode attention the rows' roles), which a replay fills with one device copy of the block
   the forward batch uploaded (padding rows included: they name the pad token slot, the pad
   table entry, whose page is a sink, and the pad cell, and tiles of 0 rows, so they write
   only sinks);
@@ -18,11 +19,12 @@ start-up over stable-address inputs:
 Nothing batch-specific is a constant of the graph: sizes come from the bucket, values from
 the buffers, and split-KV is fixed per bucket (the kernel splits the keys it finds). With
 INT4 residuals the pass's appends, its encoding plan (a fixed number of candidate groups
-per cell and plane, every plane: `ForwardBatchBuilder.graph_residual`), the per-layer
+per cell and plane, every plane: `ResidualBatch.graph_shape`), the per-layer
 encoding and the packed reader are captured too; padding cells' candidates are never
 ready, so they encode into the sink record only.
-With sparse decode attention each bucket has a second graph, for passes with generated-token
-rows: it runs the source and correction steps over every row of the bucket, the block's
+A batch part may ask for a variant graph per bucket, replayed by the passes that hold its
+variant note (`BatchPart.variant`). Sparse decode attention's is for passes with
+generated-token rows: it runs the source and correction steps over every row of the bucket, the block's
 roles column saying which rows play which part (`SparseRows`), the correction rows'
 fallback tiles from the block, the scores scratch at its fixed address, and the state in
 the decode slots (a padding row's part is none, so it writes nothing).
