@@ -37,7 +37,6 @@ class DenseController:
         frontiers = [builder.frontier(req, d) for d in range(self.num_loops)]
         num_tokens = req.num_tokens  # a token sampled in this plan enters depth 0 only in the next one
         groups: list[RowGroup] = []
-        prompt = len(req.prompt_ids)
         for depth in range(self.num_loops - 1, 0, -1):
             budget = self._advance(req, depth, frontiers[depth], frontiers[depth - 1], budget, builder, groups)
         waiting = num_tokens - frontiers[0]

@@ -34,7 +34,6 @@ import collections
 from collections.abc import Callable
 
 from specloop.scheduling.controller import Commit, Controller
-from specloop.scheduling.dense import DenseController
 from specloop.scheduling.kv_manager import KVManager
 from specloop.plan import Head, Plan, ReleaseScan, RowGroup, SparseWindow
 from specloop.scheduling.prompts import DensePrompts, PromptPlanning
