@@ -24,24 +24,15 @@ from specloop.engine.executor import Executor
 from specloop.engine.snapshot import CellPart, KVPagesPart, SlotsPart, Snapshotter
 from specloop.errors import ConfigError, SpecloopError
 from specloop.flashloop.config import summary as group_summary
-from specloop.flashloop.kv_residual.batch import ResidualBatch
-from specloop.flashloop.kv_residual.device import ResidualDevice
 from specloop.flashloop.kv_residual.feature import KVResidualFeature
-from specloop.flashloop.kv_residual.format import PackedPlanes
-from specloop.flashloop.sparse_decode.attention import SparseDecodeStep
-from specloop.flashloop.sparse_decode.batch import SparseDecodeBatch
-from specloop.flashloop.sparse_decode.device import ReferencesDevice
 from specloop.flashloop.sparse_decode.feature import SparseDecodeFeature
-from specloop.flashloop.token_sparse_prefill.batch import WindowBatchPart
-from specloop.flashloop.token_sparse_prefill.device import WindowDevice
 from specloop.flashloop.token_sparse_prefill.feature import TokenSparsePrefillFeature
-from specloop.flashloop.token_sparse_prefill.host import WindowedPrompts
 from specloop.model.ouro import OuroModel
 from specloop.pipeline.heads import SpeculationHeads, Verifier
 from specloop.pipeline.rounds import RoundController
 from specloop.pipeline.token_pipeline import TokenPipeline
 from specloop.runtime.attention import backend_name, make_backend
-from specloop.runtime.feature import Absent, Sizing
+from specloop.runtime.feature import Absent, Feature, Sizing
 from specloop.runtime.forward_batch import ForwardBatchBuilder
 from specloop.runtime.graphs import DEFAULT_BUCKETS, LoopGraphs
 from specloop.runtime.kv_format import PagedKV
@@ -86,14 +77,12 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
     speculation = _speculation(config, mcfg.num_loops)
     triton = backend_name(config.attention_backend, device) == "triton"
     s = Sizing(config, mcfg, max_model_len, model.dtype, device, speculation, triton)
+    config.token_sparse_prefill.check(mcfg.num_loops)
+    features = [_make(cls, config, s) for cls in FEATURES if cls.enabled(config)]
     budget = KVBudget(config, device)
-    sparse = config.token_sparse_prefill
-    decode = SparseDecodeFeature(config.sparse_decode_attention, s) if config.sparse_decode_attention.enabled else None
-    residual = (KVResidualFeature(config.kv_residual_quantization, sparse, s)
-                if config.kv_residual_quantization.enabled else None)
-    decode_slots = decode.decode_slots if decode is not None else 0
-    reserved = decode.reserved_bytes() if decode is not None else 0
-    num_pages = budget.pages(page_bytes, reserved, residual.page_share if residual is not None else 1.0)
+    decode_slots = sum(f.decode_slots() for f in features)
+    num_pages = budget.pages(page_bytes, sum(f.reserved_bytes() for f in features),
+                             min((f.page_share() for f in features), default=1.0))
     heads: dict[type, Any] = {}
     if speculation is not None:
         # A round verifies k+1 rows in one call and a pipeline advances up to R live
@@ -106,63 +95,62 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
             num_token_slots += 2 * per_request * config.max_num_seqs
         heads = SpeculationHeads(config.max_num_seqs, speculation.draft_width, mcfg.vocab_size,
                                  model.dtype, device, verifier).registry()
-    sparse.check(mcfg.num_loops)
-    # (prompt windows take general slots only: sized before the decode sub-pool joins)
-    window_slots = TokenSparsePrefillFeature(sparse, s).upload_ints(num_token_slots) if sparse.active else 0
+    general_slots = num_token_slots  # prompt windows take general slots only
     num_token_slots += decode_slots  # slots [0, decode_slots): generated tokens' (sparse decode attention)
     kv = KVManager(mcfg.num_loops, config.block_size, num_pages, page_bytes)
-    residuals, residual_ints = residual.build(kv, num_pages, budget.total) if residual is not None else (None, 0)
+    for f in features:
+        f.attach_kv(kv, num_pages, budget.total)
+    prompts = [p for p in (f.prompts() for f in features) if p is not None]
+    assert len(prompts) <= 1, "one feature plans prompts"
     scheduler = Scheduler(kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                           adaptive_exit=threshold < 1.0, speculation=speculation,
-                          preemption_mode=config.preemption_mode,
-                          prompts=WindowedPrompts(sparse) if sparse.active else None, decode_slots=decode_slots)
+                          preemption_mode=config.preemption_mode, prompts=prompts[0] if prompts else None,
+                          decode_slots=decode_slots)
     scheduler.swap_out, scheduler.swap_in = swap_out, swap_in
     # One page past the KV manager's: the sink padding rows of a CUDA graph write.
     shape = (mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim,
              model.dtype, device)
-    store = PackedPlanes(*shape, residuals) if residuals is not None else PagedKV(*shape)
-    references = decode.references() if decode is not None else None
+    formats = [k for k in (f.kv_format(shape) for f in features) if k is not None]
+    assert len(formats) <= 1, "one feature stores the keys"
+    store = formats[0] if formats else PagedKV(*shape)
+    rows_attention = [r for r in (f.row_attention() for f in features) if r is not None]
+    assert len(rows_attention) <= 1, "one feature replaces rows' attention"
     backend = make_backend(config.attention_backend, store, device, mcfg.num_attention_heads,
-                           mcfg.num_key_value_heads, SparseDecodeStep(references) if references is not None else None)
+                           mcfg.num_key_value_heads, rows_attention[0] if rows_attention else None)
     graphed = device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
     buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
-    pages_per_seq = -(-max_model_len // config.block_size)
-    batch_parts: list[Any] = []  # the features' shares of the forward batch, in order
-    residual_batch = None
-    if residuals is not None:
-        residual_batch = ResidualBatch(residual_ints, mcfg.num_loops, config.max_num_seqs, config.block_size,
-                                       pages_per_seq * config.block_size, residual.execution_tail)
-        batch_parts.append(residual_batch)
-    if references is not None:
-        batch_parts.append(SparseDecodeBatch(rows, mcfg.num_loops))
-    if sparse.active:
-        batch_parts.append(WindowBatchPart(window_slots, num_token_slots))
-    batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, pages_per_seq, config.block_size, device,
-                                  tile_rows=backend.tile_rows, buckets=buckets, pad_slot=num_token_slots,
-                                  parts=batch_parts)
-    slots = SlotStorage(num_token_slots + 1, mcfg.hidden_size, model.dtype, device, keep_previous=sparse.active)
-    features: list[Any] = []  # device halves, in the order they run
-    if residuals is not None:
-        features.append(ResidualDevice(residuals, config.max_num_seqs, config.block_size, device))
-    if sparse.active:
-        features.append(WindowDevice(slots, store))
-    if references is not None:
-        features.append(ReferencesDevice(references))
-    runner = Runner(model, backend, batches, slots, config.max_num_seqs, threshold, config.seed, heads, features)
+    batch_parts = [p for p in (f.batch_part(general_slots, num_token_slots) for f in features) if p is not None]
+    batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, -(-max_model_len // config.block_size),
+                                  config.block_size, device, tile_rows=backend.tile_rows, buckets=buckets,
+                                  pad_slot=num_token_slots, parts=batch_parts)
+    slots = SlotStorage(num_token_slots + 1, mcfg.hidden_size, model.dtype, device,
+                        keep_previous=any(f.keeps_previous() for f in features))
+    devices = [d for d in (f.device(slots, store) for f in features) if d is not None]  # in the order they run
+    runner = Runner(model, backend, batches, slots, config.max_num_seqs, threshold, config.seed, heads, devices)
     if graphed:
         runner.use_graphs(LoopGraphs(runner.run_pass, batches, mcfg.hidden_size, model.dtype, threshold < 1.0,
                                      mcfg.num_key_value_heads, max_model_len, num_pages, device, store))
     speculation_heads = next(iter(heads.values())) if heads else None
     draft = (speculation_heads.draft_tokens, speculation_heads.draft_probs) if speculation_heads else None
-    parts = [KVPagesPart(kv, store),
-             residual.snapshot_part(kv, residuals, residual_batch.forget_backlog) if residual is not None
-             else Absent("residual", KVResidualFeature.option),
-             SlotsPart(runner.slots),
-             decode.snapshot_part(references) if decode is not None else Absent("references", SparseDecodeFeature.option),
-             CellPart(runner.next_token, draft)]
+    on = {type(f): f for f in features}
+    parts = [KVPagesPart(kv, store), SlotsPart(runner.slots), CellPart(runner.next_token, draft)]
+    parts += [on[cls].snapshot_part(kv, store) if cls in on else Absent(cls.snapshot_key, cls.option)
+              for cls in FEATURES if cls.snapshot_key is not None]
     snapshots = Snapshotter(fingerprint(config, model, store.name, threshold), config.summary(), scheduler, parts)
-    return EngineParts(kv, scheduler, backend, Executor(runner), speculation, speculation_heads, snapshots, features,
+    return EngineParts(kv, scheduler, backend, Executor(runner), speculation, speculation_heads, snapshots, devices,
                        num_pages, page_bytes, graphed)
+
+
+# The FlashLoop features, in the order their halves run (device halves, batch parts).
+FEATURES = (KVResidualFeature, TokenSparsePrefillFeature, SparseDecodeFeature)
+
+
+def _make(cls: type, config: EngineConfig, s: Sizing) -> Feature:
+    """A feature from its configuration group (INT4 residuals also read token-sparse
+    prefill's: its sparse planes hold fewer rows)."""
+    if cls is KVResidualFeature:
+        return cls(config.kv_residual_quantization, config.token_sparse_prefill, s)
+    return cls(getattr(config, cls.option), s)
 
 
 def fingerprint(config: EngineConfig, model: OuroModel, kv_format: str, threshold: float) -> dict[str, Any]:

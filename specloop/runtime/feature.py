@@ -99,3 +99,83 @@ class DeviceFeature(Protocol):
 
     def stats(self) -> dict[str, int]:
         """The feature's `EngineStats` fields, from host copies (no device read)."""
+
+
+class Feature(Protocol):
+    """One FlashLoop feature as the composition root sees it (`specloop.engine.build`): its
+    size, then each of its halves, built in this order once the core has what they need. A
+    hook that does not apply returns None (`FeatureDefaults` has every default)."""
+
+    option: str  # its configuration group
+    snapshot_key: str | None  # its share of a request snapshot (None: it keeps none of its own)
+
+    def reserved_bytes(self) -> int:
+        """Device bytes it holds outside the page pool, taken off the KV budget first."""
+
+    def page_share(self) -> float:
+        """The share of the rest of a byte budget left to BF16 pages (1.0: all)."""
+
+    def decode_slots(self) -> int:
+        """Token slots of the decode sub-pool generated tokens take (0: none)."""
+
+    def keeps_previous(self) -> bool:
+        """Whether token slots keep the hidden state before their last loop."""
+
+    def prompts(self) -> Any:
+        """Its `PromptPlanning` (`specloop.scheduling.prompts`), or None."""
+
+    def attach_kv(self, kv: Any, num_pages: int, budget: Any) -> None:
+        """Size what it keeps beside the KV manager's pages (`KVManager`; `budget()`: the KV
+        byte budget)."""
+
+    def kv_format(self, shape: tuple) -> Any:
+        """The KV format it stores keys in (`PagedKV(*shape)`'s kind), or None."""
+
+    def row_attention(self) -> Any:
+        """Its `RowAttention` (`specloop.runtime.attention`), or None."""
+
+    def batch_part(self, general_slots: int, pad_slot: int) -> Any:
+        """Its `BatchPart` (`specloop.runtime.forward_batch`), or None; `general_slots`: the
+        token slots outside the decode sub-pool, `pad_slot` the sink slot."""
+
+    def device(self, slots: Any, store: Any) -> DeviceFeature | None:
+        """Its device half over the token slots (`SlotStorage`) and the KV format, or None."""
+
+    def snapshot_part(self, kv: Any, store: Any) -> SnapshotPart:
+        """Its `SnapshotPart` (keyed `snapshot_key`; asked only when that is set)."""
+
+
+class FeatureDefaults:
+    """Every `Feature` hook's default: nothing reserved, no share taken, no half."""
+
+    snapshot_key: str | None = None
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def page_share(self) -> float:
+        return 1.0
+
+    def decode_slots(self) -> int:
+        return 0
+
+    def keeps_previous(self) -> bool:
+        return False
+
+    def prompts(self) -> Any:
+        return None
+
+    def attach_kv(self, kv: Any, num_pages: int, budget: Any) -> None:
+        pass
+
+    def kv_format(self, shape: tuple) -> Any:
+        return None
+
+    def row_attention(self) -> Any:
+        return None
+
+    def batch_part(self, general_slots: int, pad_slot: int) -> Any:
+        return None
+
+    def device(self, slots: Any, store: Any) -> DeviceFeature | None:
+        return None

@@ -72,7 +72,7 @@ class ResidualBatch:
     def __init__(self, capacity: int, num_loops: int, max_seqs: int, page_size: int, max_len: int,
                  tail: int | None) -> None:
         """`capacity`: the most integers one plan's updates and scans add
-        (`KVResidualFeature.build`); request cell `max_seqs` is the pad cell; `max_len`: the
+        (`KVResidualFeature.attach_kv`); request cell `max_seqs` is the pad cell; `max_len`: the
         positions a request's tables cover at most; `tail`: the execution policy's (None:
         the serial policy), whose passes also look at the groups earlier passes left full
         (the backlog)."""

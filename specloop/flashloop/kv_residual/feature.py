@@ -1,26 +1,39 @@
-"""INT4 residuals' sizing and parts: the record pool beside the BF16 pages, the device
-planes, the forward batch's room for their integers, and the snapshot part."""
+"""INT4 residuals as a `Feature`: the record pool beside the BF16 pages (its share of a byte
+budget), the device planes and the packed KV format over them, their share of the forward
+batch, the device half and the snapshot part."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from specloop.errors import ConfigError
 from specloop.flashloop.config import KVResidualQuantization, TokenSparsePrefill
-from specloop.flashloop.kv_residual.snapshot import ResidualPart
-from specloop.runtime.feature import Sizing
+from specloop.flashloop.kv_residual.batch import ResidualBatch
+from specloop.flashloop.kv_residual.device import ResidualDevice
+from specloop.flashloop.kv_residual.format import PackedPlanes
 from specloop.flashloop.kv_residual.planes import PackedResiduals
-from specloop.scheduling.kv_manager import KVManager
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS, ResidualRecords
+from specloop.flashloop.kv_residual.snapshot import ResidualPart
+from specloop.runtime.feature import FeatureDefaults, Sizing
+from specloop.scheduling.kv_manager import KVManager
 
 
-class KVResidualFeature:
+class KVResidualFeature(FeatureDefaults):
     option = "kv_residual_quantization"
+    snapshot_key = ResidualPart.key
+
+    @staticmethod
+    def enabled(config: Any) -> bool:
+        return config.kv_residual_quantization.enabled
 
     def __init__(self, group: KVResidualQuantization, windows: TokenSparsePrefill, s: Sizing) -> None:
         """`windows`: token-sparse prefill's group (its sparse planes hold fewer rows)."""
         self.group, self.windows, self.s = group, windows, s
+        self.planes: PackedResiduals | None = None  # `attach_kv`
+        self.upload_ints = 0  # the forward batch's room for its integers (`attach_kv`)
+        self._batch: ResidualBatch | None = None
         cfg, spec = s.config, s.speculation
         if spec is not None and group.policy == "serial":
             # Candidates never seal, and the host learns what committed one ticket late: a
@@ -33,7 +46,6 @@ class KVResidualFeature:
                                   f"{spec.rows_per_request} rows a request may run past its committed "
                                   f"tokens): under the serial policy only committed tokens seal")
 
-    @property
     def page_share(self) -> float:
         """The share of a byte budget kept as BF16 pages (the rest holds the records)."""
         return self.group.tail_share
@@ -43,7 +55,7 @@ class KVResidualFeature:
         """The tail under the execution policy (None: the serial policy)."""
         return self.group.tail if self.group.policy == "execution" else None
 
-    def build(self, kv: KVManager, num_pages: int, budget: Callable[[], int]) -> tuple[PackedResiduals, int]:
+    def attach_kv(self, kv: KVManager, num_pages: int, budget: Callable[[], int]) -> None:
         """The planes and their host records (set on `kv`, with its span limit) and the
         forward batch's room for their integers; `budget()`: the KV byte budget."""
         cfg, m, s, group = self.s.config, self.s.model, self.s, self.group
@@ -63,8 +75,8 @@ class KVResidualFeature:
         kv.span_limit = self.span()
         groups = -(-(s.max_model_len + cfg.block_size) // RECORD_ROWS)
         # resets, records, truncates, release scans
-        ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
-        return store, ints
+        self.upload_ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
+        self.planes = store
 
     def span(self) -> int:
         """The most positions of one plane a request holds BF16 pages for at once
@@ -88,6 +100,19 @@ class KVResidualFeature:
             span += (inflight + 1) * self.s.speculation.rows_per_request
         return span
 
-    @staticmethod
-    def snapshot_part(kv: KVManager, store: PackedResiduals, forget_backlog: Callable[[int], None]) -> ResidualPart:
-        return ResidualPart(kv, kv.records, store, forget_backlog)
+    def kv_format(self, shape: tuple) -> PackedPlanes:
+        return PackedPlanes(*shape, self.planes)
+
+    def batch_part(self, general_slots: int, pad_slot: int) -> ResidualBatch:
+        cfg = self.s.config
+        max_len = -(-self.s.max_model_len // cfg.block_size) * cfg.block_size
+        self._batch = ResidualBatch(self.upload_ints, self.s.model.num_loops, cfg.max_num_seqs, cfg.block_size,
+                                    max_len, self.execution_tail)
+        return self._batch
+
+    def device(self, slots: Any, store: Any) -> ResidualDevice:
+        cfg = self.s.config
+        return ResidualDevice(self.planes, cfg.max_num_seqs, cfg.block_size, self.s.device)
+
+    def snapshot_part(self, kv: KVManager, store: Any) -> ResidualPart:
+        return ResidualPart(kv, kv.records, self.planes, self._batch.forget_backlog)

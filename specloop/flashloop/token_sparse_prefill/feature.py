@@ -1,20 +1,37 @@
-"""Token-sparse prefill's sizing: the forward batch's room for its window groups."""
+"""Token-sparse prefill as a `Feature`: prompts planned in windows, token slots that keep
+their previous hidden state, the windows' share of the forward batch and the device half
+that selects. Its snapshot state rides in the core's parts (the slots' previous state and
+selection, the request's window progress)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from specloop.errors import ConfigError
 from specloop.flashloop.config import TokenSparsePrefill
-from specloop.runtime.feature import Sizing
-from specloop.flashloop.token_sparse_prefill.batch import WINDOW_INFO
+from specloop.flashloop.token_sparse_prefill.batch import WINDOW_INFO, WindowBatchPart
+from specloop.flashloop.token_sparse_prefill.device import WindowDevice
+from specloop.flashloop.token_sparse_prefill.host import WindowedPrompts
+from specloop.runtime.feature import FeatureDefaults, Sizing
 
 
-class TokenSparsePrefillFeature:
+class TokenSparsePrefillFeature(FeatureDefaults):
     option = "token_sparse_prefill"
+
+    @staticmethod
+    def enabled(config: Any) -> bool:
+        return config.token_sparse_prefill.active  # (retention 1.0 everywhere takes the dense path)
 
     def __init__(self, group: TokenSparsePrefill, s: Sizing) -> None:
         self.group, self.s = group, s
+        self._prompts = WindowedPrompts(group)
+
+    def keeps_previous(self) -> bool:
+        return True  # the change score compares a slot's hidden state before and after a loop
+
+    def prompts(self) -> WindowedPrompts:
+        return self._prompts
 
     def upload_ints(self, num_token_slots: int) -> int:
         """Integers one plan's sparse prefill groups add to the forward batch. A group uploads
@@ -31,3 +48,9 @@ class TokenSparsePrefillFeature:
         least = min(sparse.budget(d, sparse.window) for d in range(2, loops))
         groups = math.ceil(rows / least) + 2 * self.s.config.max_num_seqs * (loops - 2)
         return groups * (3 * sparse.window + WINDOW_INFO) + 3 * rows
+
+    def batch_part(self, general_slots: int, pad_slot: int) -> WindowBatchPart:
+        return WindowBatchPart(self.upload_ints(general_slots), pad_slot)
+
+    def device(self, slots: Any, store: Any) -> WindowDevice:
+        return WindowDevice(slots, store)
