@@ -414,6 +414,22 @@ def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps, sparse):
     assert fresh.kv.num_free_pages == fresh.kv.num_pages and fresh.kv.records.num_free == fresh.kv.records.num_records
 
 
+def test_a_snapshot_owns_its_planes_state(tiny_ckpt):
+    """A snapshot kept in memory (a swap) shares no storage with the live planes: the engine
+    rewrites its cells' maps and counters while the snapshot waits (on CPU `.cpu()` of a view
+    is the view itself)."""
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=64)
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    res = engine.snapshot("r").data["residual"]
+    live = residual_planes(engine)
+    for name in ("row_maps", "rows", "encoded"):
+        assert res[name].untyped_storage().data_ptr() != getattr(live, name).untyped_storage().data_ptr(), name
+        assert res[name].untyped_storage().nbytes() == res[name].numel() * res[name].element_size(), name
+    engine.drain()
+
+
 def test_a_restore_takes_only_the_pages_not_given_back(tiny_ckpt, refs):
     """A snapshot of a decoding request whose tail pages went back holds only its other
     pages, and its restore takes only those: it restores into a pool smaller than the pages

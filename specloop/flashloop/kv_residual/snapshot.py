@@ -24,6 +24,13 @@ RECORD_FIELDS = ("k_codes", "k_scale", "k_lo")  # indexed by record
 ROW_FIELDS = ("v_codes", "v_scale", "v_lo")  # indexed by record * 64 + row
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy that owns its storage: `.cpu()` of a CPU view shares the live planes'
+    storage, which the engine rewrites while the snapshot waits (a swap), and torch.save
+    would write all of it."""
+    return t.to("cpu", copy=True)
+
+
 def _record_rows(ids: torch.Tensor) -> torch.Tensor:
     return (ids[:, None] * RECORD_ROWS + torch.arange(RECORD_ROWS, device=ids.device)).flatten()
 
@@ -49,8 +56,8 @@ class ResidualPart:
         out = {name: getattr(store, name)[:, ids].cpu() for name in RECORD_FIELDS}
         out |= {name: getattr(store, name)[:, rows].cpu() for name in ROW_FIELDS}
         out |= {"groups_per_plane": [len(t) for t in tables], "covered": covered, "seal": store.seal[ids].cpu(),
-                "row_pos": store.row_pos[ids].cpu(), "row_maps": store.row_maps[cell, :, :covered].cpu(),
-                "rows": store.rows[cell].cpu(), "encoded": store.encoded[cell].cpu()}
+                "row_pos": store.row_pos[ids].cpu(), "row_maps": host_copy(store.row_maps[cell, :, :covered]),
+                "rows": host_copy(store.rows[cell]), "encoded": host_copy(store.encoded[cell])}
         return out
 
     def _flush(self, key: str, cell: int) -> None:
