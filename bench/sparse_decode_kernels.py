@@ -183,7 +183,7 @@ def _case(args: argparse.Namespace, length: int, batch: int, device: torch.devic
 
     def scores(i=0):
         for first in range(0, batch, rows):
-            _launch_scores(q, k[i], tables, positions, offsets, args.page, scratch[i], first,
+            _launch_scores(q, k[i], v[i], tables, positions, offsets, args.page, scratch[i], first,
                            min(rows, batch - first), length, splits, Blocks())
 
     def select(i=0, blocks=Blocks()):  # over the scores of the last chunk (every chunk's, when one holds the batch)
