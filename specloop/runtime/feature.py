@@ -1,5 +1,11 @@
 """What the core asks of the parts of the engine it does not name: the FlashLoop features.
 
+A `Feature` is one update's entry point (each package's `feature.py`): its size, then its
+halves as the composition root (`specloop.engine.build`) asks for them: prompt planning,
+a record pool beside the pages, a KV format, a row attention, a forward-batch part, a
+device half (`DeviceFeature`, called by the runner around a forward call) and a snapshot
+part (`SnapshotPart`).
+
 The snapshot of a request (`specloop.engine.snapshot`) is the union of what its parts
 capture: the core's own (KV pages, token slots, the request cell) and each FlashLoop
 feature's (`specloop.flashloop.*`), which the composition root (`specloop.engine.build`)
