@@ -412,6 +412,8 @@ class ForwardBatchBuilder:
         batch = self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
                             host_groups, results)
         for lp, (_, layout, _, _, _, graphed, infos), starts in zip(batch.passes, blocks, tails):
+            if not self.parts:  # (no views to cut: a dense engine's host time per call)
+                break
             for part, info, columns, at in zip(self.parts, infos, layout.views(lp.block)["parts"], starts):
                 part.pass_view(lp, columns, info, graphed)
                 part.tail_view(lp, dev_ints[at:], info)
