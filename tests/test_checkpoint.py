@@ -93,6 +93,12 @@ def test_missing_folder(tmp_path):
     assert "does not exist" in _error_of(lambda: load_model(tmp_path / "nope"))
 
 
+def test_a_file_is_not_a_checkpoint_folder(ckpt):
+    """A path that exists but is a file (`specloop serve /etc/passwd`) is not said to be missing."""
+    message = _error_of(lambda: load_model(ckpt / "config.json"))
+    assert "is not a checkpoint folder" in message and "does not exist" not in message
+
+
 def test_missing_config(ckpt):
     (ckpt / "config.json").unlink()
     assert "no config.json" in _error_of(lambda: load_model(ckpt))

@@ -103,6 +103,9 @@ class LoadReport:
 def load_config(folder: str | Path) -> ModelConfig:
     folder = Path(folder)
     if not folder.is_dir():
+        if folder.exists():
+            raise CheckpointError(f"{folder} is not a checkpoint folder: give the folder that holds config.json "
+                                  "and the safetensors weights")
         raise CheckpointError(f"model folder {folder} does not exist")
     config_path = folder / "config.json"
     if not config_path.exists():
