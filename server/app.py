@@ -118,7 +118,9 @@ class _Routes:
     def get(self, path: str, summary: str, response: type | None = None,
             media_type: str | None = None) -> Callable[[Callable[[], Awaitable[Response]]], Any]:
         def register(handler: Callable[[], Awaitable[Response]]) -> Any:
-            self.app.add_api_route(path, handler, methods=["GET"])
+            # HEAD answers like GET without the body (probes and load balancers send it); the
+            # document lists GET, which implies HEAD.
+            self.app.add_api_route(path, handler, methods=["GET", "HEAD"])
             self.docs.append(RouteDoc("GET", path, summary, response=response, media_type=media_type,
                                       protected=is_protected(path)))
             return handler

@@ -240,6 +240,10 @@ def test_unknown_route_and_method(server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wrong = httpx.get(server.url + "/v1/completions")
     assert wrong.status_code == 405 and "message" in wrong.json()["error"]
+    for path in ("/health", "/version", "/metrics", "/v1/models"):  # HEAD answers like GET, without a body
+        head, get = httpx.head(server.url + path), httpx.get(server.url + path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", path
+        assert head.headers.get("content-type") == get.headers.get("content-type"), path
 
 
 async def test_disconnect_mid_stream_frees_pages(server):

@@ -75,10 +75,12 @@ async def test_failure_after_streaming_began_sends_error_event_then_done(engine,
 async def test_dead_engine_turns_health_and_requests_503(engine):
     async with client_for(engine) as client:
         assert (await client.get("/health")).status_code == 200
+        assert (await client.head("/health")).status_code == 200  # probes that send HEAD get GET's answer
         assert (await client.post("/v1/completions", json=BODY)).status_code == 200
         engine.error = RuntimeError("boom")  # what the engine thread records when it dies
         health = await client.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert (await client.head("/health")).status_code == 503
         for path, body in (("/v1/completions", BODY),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
             reply = await client.post(path, json=body)
