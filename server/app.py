@@ -257,17 +257,19 @@ def _add_info_routes(routes: _Routes, state: ServerState, max_body_bytes: int) -
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @routes.get("/version", "specloop's version and the effective engine configuration.", VersionInfo)
+    @routes.get("/version", "specloop's version, the engine options as configured and as resolved at start-up.",
+                VersionInfo)
     async def version_route() -> Response:
         return Response(version, media_type="application/json")
 
 
 def _version_info(state: ServerState, max_body_bytes: int) -> VersionInfo:
-    """The engine options with the served name in place of the checkpoint path (no local path leaks)."""
+    """The engine options as configured (the served name in place of the checkpoint path: no local path
+    leaks) and what start-up resolved them to."""
     engine = {**state.engine.config.summary(), "model": state.model_name}
     limits = {"max_model_len": state.limits.max_model_len, "max_request_tokens": state.limits.max_request_tokens,
               "max_prompts_per_request": state.limits.max_prompts, "max_body_bytes": max_body_bytes}
-    return VersionInfo(specloop.__version__, state.model_name, engine, limits)
+    return VersionInfo(specloop.__version__, state.model_name, engine, limits, state.engine.core.resolved.summary())
 
 
 async def _decode(request: Request, kind: type[S]) -> S:

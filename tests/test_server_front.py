@@ -263,6 +263,13 @@ async def test_version_and_models_never_show_the_checkpoint_path(engine, tiny_ck
     assert info["version"] == specloop.__version__ and info["model"] == NAME
     assert info["engine"]["model"] == NAME and info["engine"]["max_waiting_requests"] == 3
     assert info["engine"]["device"] == "cpu"
+    core = engine.core
+    assert info["resolved"] == {  # what `auto` and unset options became at start-up
+        "dtype": "float32", "device": "cpu", "max_model_len": core.max_model_len, "num_kv_pages": core.kv.num_pages,
+        "kv_page_bytes": core.kv.page_bytes, "attention_backend": "torch", "cuda_graphs": False,
+        "exit_threshold": core.model.config.early_exit_threshold}
+    assert info["engine"]["dtype"] == "auto" and info["engine"]["num_kv_pages"] is None  # configured as given
+    assert info["limits"]["max_model_len"] == info["resolved"]["max_model_len"]
     assert info["limits"]["max_body_bytes"] == 12345 and info["limits"]["max_model_len"] > 0
     [card] = models.json()["data"]
     assert card["id"] == card["root"] == NAME

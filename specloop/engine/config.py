@@ -97,3 +97,21 @@ class EngineConfig:
         out["sparse_decode_attention"] = group_summary(self.sparse_decode_attention)
         out["kv_residual_quantization"] = group_summary(self.kv_residual_quantization)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """What start-up made of the options left to it (`auto`, unset): discovered values, kept
+    beside the configuration, never written back into it."""
+
+    dtype: str  # the model's weights: float32, bfloat16, ...
+    device: str  # cpu, cuda:0, ...
+    max_model_len: int  # the context length served
+    num_kv_pages: int  # the KV pool, all planes together
+    kv_page_bytes: int  # one page of one plane, as the KV format stores it
+    attention_backend: str  # torch | triton
+    cuda_graphs: bool  # loop passes replayed as CUDA graphs
+    exit_threshold: float  # the Q-exit threshold in force (1.0: every loop runs)
+
+    def summary(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

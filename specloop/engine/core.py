@@ -22,7 +22,7 @@ import torch
 from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
 from specloop.checkpoint.tokenizer import longest_token_bytes
 from specloop.engine.build import build
-from specloop.engine.config import EngineConfig
+from specloop.engine.config import EngineConfig, ResolvedConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.engine.executor import SampleResult, Ticket
 from specloop.engine.snapshot import RequestSnapshot
@@ -108,6 +108,11 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # committed while quiescing for a snapshot; the next step returns them
         self._arrivals = itertools.count()
         self.failure: BaseException | None = None  # set when a step failed outside one request
+        weight = next(self.model.parameters())
+        self.resolved = ResolvedConfig(
+            dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device),
+            max_model_len=self.max_model_len, num_kv_pages=parts.num_pages, kv_page_bytes=parts.page_bytes,
+            attention_backend=self.backend.name, cuda_graphs=parts.graphed, exit_threshold=float(threshold))
         log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",
                  config.model, device, parts.num_pages, config.block_size, parts.num_pages * parts.page_bytes / 2**20,
                  self.backend.name, "on" if parts.graphed else "off")
