@@ -7,14 +7,22 @@ Latencies are measured in the server from the timing of each request's output st
 - inter-token latency: the gap between two outputs divided by the tokens the later one
   carries, recorded once per token (so speculation, which delivers several tokens at once,
   is counted per token);
-- end-to-end latency: request arrival to its final output (or to the client leaving).
+- end-to-end latency: request arrival to its final output (or to the client leaving);
+- time per output token: from a request's first token to its last, divided by the tokens
+  after the first (requests with two tokens or more);
+- queue time: from the engine's add to the request's first admission (the engine measures
+  it and hands it over on the final output).
+
+At its end a request also records its prompt and generated token counts (histograms).
+`vllm:request_success_total{finished_reason}` counts requests that finished (stop, length),
+as vLLM does; aborted and failed ones are in `specloop_requests_finished_total` only.
 
 Only requests the engine accepted are timed and counted as finished: a request refused
 before that (400, 413, 503...) is counted once in `specloop_request_errors_total{status}`
 and nowhere else. A request that failed inside the engine finishes with reason "error".
 
-The engine gauges are read from `AsyncEngine.stats()` (the last snapshot the engine thread
-published) at scrape time. Beside our `specloop_*` series the same values are offered under
+The engine gauges, and the tokens each forward call took in (`iteration_tokens`), are read
+from `AsyncEngine.stats()` (the last snapshot the engine thread published) at scrape time. Beside our `specloop_*` series the same values are offered under
 vLLM's names (`vllm:*`, label `model_name` = the served name), so dashboards built for vLLM
 work unchanged.
 """
@@ -25,7 +33,8 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                   Metric)
 from prometheus_client.registry import Collector
 
 from specloop.engine.async_engine import AsyncEngine
@@ -39,6 +48,18 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                50.0, 60.0, 120.0, 240.0, 480.0)
+SUCCESS_REASONS = ("stop", "length")  # finished by the model or max_tokens; abort and error are not successes
+
+
+def token_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length `limit`, which closes them."""
+    bounds, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale >= limit:
+                return (*bounds, limit)
+            bounds.append(step * scale)
+        scale *= 10
 
 
 class ServerMetrics:
@@ -52,6 +73,15 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("specloop_e2e_request_latency_seconds", "Request arrival to its last output.",
                              buckets=E2E_BUCKETS, registry=r)
+        self.tpot = Histogram("specloop_time_per_output_token_seconds", "A request's first token to its last, "
+                              "per token after the first.", buckets=ITL_BUCKETS, registry=r)
+        self.queue = Histogram("specloop_request_queue_time_seconds", "A request's wait in the queue before its "
+                               "first admission.", buckets=E2E_BUCKETS, registry=r)
+        tokens = token_buckets(engine.limits()[0])
+        self.request_prompt = Histogram("specloop_request_prompt_tokens", "Prompt tokens per ended request.",
+                                        buckets=tokens, registry=r)
+        self.request_generation = Histogram("specloop_request_generation_tokens", "Generated tokens per ended "
+                                            "request.", buckets=tokens, registry=r)
         self.prompt_tokens = Counter("specloop_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
         self.generation_tokens = Counter("specloop_generation_tokens", "Generated tokens.", registry=r)
@@ -59,10 +89,10 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("specloop_request_errors", "Requests answered with an error, by status.",
                               ["status"], registry=r)
-        self._vllm_series(model_name)
+        self._vllm_series(model_name, tokens)
         r.register(_EngineCollector(engine, model_name))
 
-    def _vllm_series(self, name: str) -> None:
+    def _vllm_series(self, name: str, tokens: tuple[int, ...]) -> None:
         """vLLM's names for the series above, each labelled with the served model."""
         r, label = self.registry, ["model_name"]
         self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", label,
@@ -75,8 +105,16 @@ class ServerMetrics:
                                           registry=r).labels(name)
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", label,
                                               registry=r).labels(name)
-        self.vllm_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+        self.vllm_success = Counter("vllm:request_success", "Finished requests (stop, length) by finish reason.",
                                     ["model_name", "finished_reason"], registry=r)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token in seconds.", label,
+                                   buckets=ITL_BUCKETS, registry=r).labels(name)
+        self.vllm_queue = Histogram("vllm:request_queue_time_seconds", "Time spent waiting in the queue in seconds.",
+                                    label, buckets=E2E_BUCKETS, registry=r).labels(name)
+        self.vllm_request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", label,
+                                             buckets=tokens, registry=r).labels(name)
+        self.vllm_request_generation = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                                 label, buckets=tokens, registry=r).labels(name)
 
     def track(self, start: float | None = None) -> "RequestTimer":
         """Time one accepted engine request (one choice) from `start` (perf_counter; default now)."""
@@ -95,7 +133,9 @@ class RequestTimer:
         self._m = metrics
         self._start = self._last = time.perf_counter() if start is None else start
         self._first_seen = False
+        self._first = 0.0  # when the first token came
         self._usage: Usage | None = None
+        self._queue_time: float | None = None
         self._done = False
 
     def observe(self, out: RequestOutput) -> None:
@@ -104,7 +144,7 @@ class RequestTimer:
             if not self._first_seen:
                 self._m.ttft.observe(now - self._start)
                 self._m.vllm_ttft.observe(now - self._start)
-                self._first_seen = True
+                self._first_seen, self._first = True, now
             else:
                 gap = (now - self._last) / len(out.token_ids)
                 for _ in out.token_ids:
@@ -113,6 +153,7 @@ class RequestTimer:
             self._last = now
         self._usage = out.usage
         if out.finished:
+            self._queue_time = out.queue_time
             self._finish(out.finish_reason or "abort", now)
 
     def close(self, reason: str = "abort") -> None:
@@ -126,12 +167,25 @@ class RequestTimer:
         m.e2e.observe(now - self._start)
         m.vllm_e2e.observe(now - self._start)
         m.finished.labels(reason).inc()
-        m.vllm_success.labels(m.model_name, reason).inc()
-        if self._usage is not None:
-            m.prompt_tokens.inc(self._usage.prompt_tokens)
-            m.vllm_prompt_tokens.inc(self._usage.prompt_tokens)
-            m.generation_tokens.inc(self._usage.completion_tokens)
-            m.vllm_generation_tokens.inc(self._usage.completion_tokens)
+        if reason in SUCCESS_REASONS:
+            m.vllm_success.labels(m.model_name, reason).inc()
+        if self._queue_time is not None:
+            m.queue.observe(self._queue_time)
+            m.vllm_queue.observe(self._queue_time)
+        usage = self._usage
+        if usage is None:
+            return
+        for total, histogram, value in ((m.prompt_tokens, m.request_prompt, usage.prompt_tokens),
+                                        (m.vllm_prompt_tokens, m.vllm_request_prompt, usage.prompt_tokens),
+                                        (m.generation_tokens, m.request_generation, usage.completion_tokens),
+                                        (m.vllm_generation_tokens, m.vllm_request_generation,
+                                         usage.completion_tokens)):
+            total.inc(value)
+            histogram.observe(value)
+        if usage.completion_tokens > 1 and self._first_seen:
+            tpot = (self._last - self._first) / (usage.completion_tokens - 1)
+            m.tpot.observe(tpot)
+            m.vllm_tpot.observe(tpot)
 
 
 class _EngineCollector(Collector):
@@ -140,6 +194,10 @@ class _EngineCollector(Collector):
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self._engine = engine
         self._model_name = model_name
+        config, resolved = engine.config, engine.core.resolved
+        self._cache_config = {"block_size": str(config.block_size), "num_gpu_blocks": str(resolved.num_kv_pages),
+                              "gpu_memory_utilization": str(config.gpu_memory_utilization),
+                              "cache_dtype": resolved.dtype, "model_name": model_name}
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine.stats()  # one snapshot for both namings
@@ -180,6 +238,7 @@ class _EngineCollector(Collector):
         for position, count in enumerate(s.accepted_per_position):
             per_position.add_metric([str(position)], count)
         yield per_position
+        yield _iteration_tokens("specloop_iteration_tokens", [], [], s)
 
     def _vllm(self, s: EngineStats) -> Iterator[Metric]:
         name = [self._model_name]
@@ -200,3 +259,15 @@ class _EngineCollector(Collector):
         for position, count in enumerate(s.accepted_per_position):
             per_position.add_metric([self._model_name, str(position)], count)
         yield per_position
+        yield _iteration_tokens("vllm:iteration_tokens_total", ["model_name"], name, s)
+        info = InfoMetricFamily("vllm:cache_config", "The KV cache's configuration.")
+        info.add_metric([], self._cache_config)
+        yield info
+
+
+def _iteration_tokens(family: str, labels: list[str], values: list[str], s: EngineStats) -> Metric:
+    """Tokens entering the loops per forward call (prompt positions, new tokens, drafts)."""
+    metric = HistogramMetricFamily(family, "Tokens per engine step.", labels=labels)
+    buckets = [("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in s.iteration_tokens]
+    metric.add_metric(values, buckets or [("+Inf", 0)], s.iteration_tokens_sum)
+    return metric

@@ -167,6 +167,12 @@ class Plan:
         return sum(g.num_rows for g in self.groups)
 
     @property
+    def num_entering(self) -> int:
+        """Tokens that enter the loops in this call (prompt positions, new tokens, drafts): the
+        call's tokens as vLLM counts an iteration's."""
+        return sum(g.num_rows for g in self.groups if g.depth == 0)
+
+    @property
     def host_groups(self) -> list[RowGroup]:
         """Groups whose tokens go to the host, in plan order (one result each)."""
         return [g for g in self.groups if isinstance(g.head, HOST_HEADS)]

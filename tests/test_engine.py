@@ -256,3 +256,23 @@ def test_unknown_engine_option(tiny_ckpt):
 
     with pytest.raises(ConfigError, match="unknown engine option 'max_num_seq'"):
         EngineConfig.from_kwargs(str(tiny_ckpt), max_num_seq=3)
+
+
+def test_queue_time_and_tokens_per_step(tiny_ckpt):
+    """The final output carries how long the request waited before its first admission (one
+    cell: the second waits for the first to finish, the third is aborted while it waits), and
+    the stats count the tokens each plan took into the loops (vLLM's iteration tokens)."""
+    engine = _engine(tiny_ckpt, max_num_seqs=1)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [4])):
+        engine.add_request(rid, prompt, params)
+    engine.step()
+    aborted = engine.abort("c")
+    assert aborted.finish_reason == "abort" and aborted.queue_time is None  # never admitted
+    finals = {o.request_id: o for o in engine.drain() if o.finished}
+    assert 0 <= finals["a"].queue_time < finals["b"].queue_time
+    buckets, total = engine.stats().iteration_tokens, engine.stats().iteration_tokens_sum
+    assert buckets[-1][0] == float("inf") and [b for b, _ in buckets[:3]] == [1.0, 8.0, 16.0]
+    assert [n for _, n in buckets] == sorted(n for _, n in buckets)  # cumulative
+    assert total == 3 + 2 + 2 * 2  # the prompts, and every sampled token but each request's last
+    assert buckets[-1][1] >= 3  # a plan per step at least until the prompts finished

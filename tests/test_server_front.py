@@ -23,6 +23,7 @@ from server.openapi import request_schema
 from specloop.engine.async_engine import AsyncEngine
 from specloop.engine.core import QueueFullError
 from specloop.errors import RequestFailedError
+from specloop.scheduling.request import RequestOutput, Usage
 
 NAME = "tiny"
 KEY = "sekret-key"
@@ -415,6 +416,40 @@ async def test_vllm_metric_names_beside_ours(engine):
         assert f"# TYPE {counter}_total counter" in text or f"# TYPE {counter} counter" in text
         assert f"{counter}_total{label} 0.0" in text
     assert "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total" in text
+
+
+async def test_vllm_request_histograms_cache_info_and_success_without_aborts(engine):
+    """vLLM's per-request histograms, tokens per step and cache info; `vllm:request_success_total`
+    counts finished requests only (an abort is in specloop_requests_finished_total alone)."""
+    app = app_for(engine)
+    async with client_for(app) as client:
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200  # 3 prompt, 4 generated
+        metrics = app.state.server.metrics
+        aborted = metrics.track()  # a request aborted after one token, and one whose client left at once
+        aborted.observe(RequestOutput("x-0", "a", [7], False, None, Usage(5, 1)))
+        aborted.observe(RequestOutput("x-0", "", [], True, "abort", Usage(5, 1)))
+        metrics.track().close()
+        text = (await client.get("/metrics")).text
+    label = f'{{model_name="{NAME}"}}'
+    assert metric(text, "vllm:request_success_total", f'{{finished_reason="length",model_name="{NAME}"}}') == 1
+    assert not re.search(r'^vllm:request_success_total\{finished_reason="abort"', text, re.M)
+    assert metric(text, "specloop_requests_finished_total", '{finish_reason="abort"}') == 2
+    counts = {"time_per_output_token_seconds": 1, "request_queue_time_seconds": 1,  # only the served one
+              "request_prompt_tokens": 2, "request_generation_tokens": 2}  # ended with a usage
+    for name, count in counts.items():
+        assert f"# TYPE vllm:{name} histogram" in text
+        assert metric(text, f"vllm:{name}_count", label) == metric(text, f"specloop_{name}_count") == count, name
+    assert metric(text, "vllm:request_prompt_tokens_sum", label) == 3 + 5
+    assert metric(text, "vllm:request_generation_tokens_sum", label) == 4 + 1
+    assert metric(text, "vllm:request_prompt_tokens_bucket", f'{{le="5.0",model_name="{NAME}"}}') == 2
+    assert "# TYPE vllm:iteration_tokens_total histogram" in text
+    steps = metric(text, "vllm:iteration_tokens_total_count", label)
+    assert steps > 0 and metric(text, "vllm:iteration_tokens_total_bucket", f'{{le="+Inf",model_name="{NAME}"}}') == steps
+    assert metric(text, "vllm:iteration_tokens_total_sum", label) == 3 + 3  # the prompt, the tokens sampled but the last
+    assert metric(text, "specloop_iteration_tokens_count") == steps
+    pages = engine.core.kv.num_pages
+    assert (f'vllm:cache_config_info{{block_size="16",cache_dtype="float32",gpu_memory_utilization="0.9",'
+            f'model_name="{NAME}",num_gpu_blocks="{pages}"}} 1.0') in text
 
 
 # ---- one request failing in the engine -------------------------------------------------------------

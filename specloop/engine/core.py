@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from specloop.engine.config import EngineConfig, ResolvedConfig
 from specloop.engine.detokenizer import IncrementalDetokenizer
 from specloop.engine.executor import SampleResult, Ticket
 from specloop.engine.snapshot import RequestSnapshot
+from specloop.engine.step_histogram import StepHistogram, step_token_bounds
 from specloop.errors import EngineDeadError, InvalidRequestError, RequestFailedError, SnapshotError, SpecloopError
 from specloop.flashloop.config import summary as group_summary
 from specloop.model.ouro import OuroModel
@@ -69,6 +71,9 @@ class EngineStats:
     sparse_decode_fallbacks: int = 0  # corrections that found no reference state and ran dense (as of the
     # last completed call)
     sparse_decode_reference_bytes: int = 0  # device bytes of the decode slots' reference state
+    iteration_tokens: tuple[tuple[float, int], ...] = ()  # tokens entering the loops per submitted plan:
+    # (upper bound, plans with at most that many) per bucket, the last bound inf
+    iteration_tokens_sum: int = 0
 
 
 class EngineCore:
@@ -107,6 +112,8 @@ class EngineCore:
         self._inflight: collections.deque[Ticket] = collections.deque()
         self._pending: list[RequestOutput] = []  # committed while quiescing for a snapshot; the next step returns them
         self._arrivals = itertools.count()
+        self._queued: collections.deque[tuple[Request, float]] = collections.deque()  # added, not yet admitted
+        self.iteration_tokens = StepHistogram(step_token_bounds(config.max_num_batched_tokens))
         self.failure: BaseException | None = None  # set when a step failed outside one request
         weight = next(self.model.parameters())
         self.resolved = ResolvedConfig(
@@ -145,6 +152,7 @@ class EngineCore:
         self.requests[request_id] = req
         self._detok[request_id] = detok
         self.scheduler.add(req)
+        self._queued.append((req, time.monotonic()))
 
     def _check_limits(self, ids: list[int], params: SamplingParams) -> None:
         """The bounds that depend on the served model and the engine configuration."""
@@ -283,6 +291,7 @@ class EngineCore:
         del self.requests[rid]
         del self._detok[rid]
         self._install(req.swapped)
+        self.requests[rid].queue_time = req.queue_time
         return True
 
     def _quiesce(self) -> list[RequestOutput]:
@@ -313,7 +322,8 @@ class EngineCore:
                            kv_bytes_per_request={r.request_id: self.kv.bytes_used(r.kv_key)
                                                  for r in self.scheduler.running if r.kv_key in held},
                            sparse_decode_attention=group_summary(self.config.sparse_decode_attention),
-                           **features)
+                           iteration_tokens=self.iteration_tokens.cumulative(),
+                           iteration_tokens_sum=self.iteration_tokens.total, **features)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -331,9 +341,11 @@ class EngineCore:
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule() if len(self._inflight) < self.config.max_inflight_tickets else None
+        self._clock_admissions()
         outputs += [self._fail(req, exc, "planned") for req, exc in self.scheduler.take_failed()]
         if plan is not None:
             self._inflight.append(self.executor.submit(plan))
+            self.iteration_tokens.observe(plan.num_entering)
         if self._inflight and (plan is None or len(self._inflight) >= self.config.max_inflight_tickets):
             ticket = self._inflight.popleft()
             outputs += self._commit(ticket.result())
@@ -343,6 +355,18 @@ class EngineCore:
         if plan is None and self.requests and not outputs:
             raise RuntimeError("scheduler stalled: live requests but no work and no ticket in flight")
         return outputs
+
+    def _clock_admissions(self) -> None:
+        """Give each request admitted since the last step its queue time. Admission is FCFS, so
+        the admitted are a prefix of `_queued` (one aborted or preempted while there leaves it too)."""
+        now = time.monotonic()
+        while self._queued:
+            req, added = self._queued[0]
+            if req.status is Status.WAITING and not req.num_preemptions:
+                return
+            self._queued.popleft()
+            if req.status is not Status.FINISHED:
+                req.queue_time = now - added
 
     def _release_tails(self, ticket: Ticket) -> None:
         """INT4 residuals: give back the BF16 tail pages the ticket found no query reads
@@ -386,7 +410,8 @@ class EngineCore:
         if req.status is not Status.FINISHED:
             self.scheduler.finish(req, "error")
         message = f"the request failed while being {stage}: {type(exc).__name__}: {exc}"
-        return RequestOutput(req.request_id, "", [], True, "error", req.usage(), None, error=message)
+        return RequestOutput(req.request_id, "", [], True, "error", req.usage(), None, error=message,
+                             queue_time=req.queue_time)
 
     def _accept(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
         """Append tokens in order, stopping at exactly the token that ends the request."""
@@ -411,7 +436,7 @@ class EngineCore:
         del self.requests[req.request_id]
         del self._detok[req.request_id]
         kept = logprobs[: len(tokens)] if req.params.logprobs and logprobs is not None else None
-        return RequestOutput(req.request_id, text, tokens, True, reason, req.usage(), kept)
+        return RequestOutput(req.request_id, text, tokens, True, reason, req.usage(), kept, queue_time=req.queue_time)
 
     def drain(self) -> list[RequestOutput]:
         """Run steps until every request finished (used by the synchronous API)."""

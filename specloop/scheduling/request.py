@@ -54,6 +54,8 @@ class RequestOutput:
     usage: Usage
     logprobs: list[float] | None = None  # of the new tokens, when requested
     error: str | None = None  # with finish_reason "error": what failed (the engine serves on)
+    queue_time: float | None = None  # on the final output: seconds from its add until it was first
+    # admitted (None: it never was, or it came from a snapshot)
 
 
 @dataclasses.dataclass
@@ -81,6 +83,7 @@ class Request:
     resume_token: int | None = None
     num_preemptions: int = 0
     swapped: Any = None  # after a swap preemption: its snapshot in host memory, restored at admission
+    queue_time: float | None = None  # seconds from its add until it was first admitted (set by the engine)
     # Committed state:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
