@@ -87,10 +87,10 @@ class ServerState:
             raise
 
 
-def engine_limits(engine: AsyncEngine) -> Limits:
-    """Context length, the most tokens (prompt + max_tokens) the KV cache can ever hold, and the
-    most prompts one request may carry (the waiting queue's size)."""
-    return Limits(*engine.limits(), max_prompts=engine.config.max_waiting_requests)
+def engine_limits(engine: AsyncEngine, chat_max_tokens: int | None = None) -> Limits:
+    """Context length, the most tokens (prompt + max_tokens) the KV cache can ever hold, the
+    most prompts one request may carry (the waiting queue's size), and a chat's default max_tokens."""
+    return Limits(*engine.limits(), max_prompts=engine.config.max_waiting_requests, chat_max_tokens=chat_max_tokens)
 
 
 class _Routes:
@@ -129,14 +129,19 @@ class _Routes:
 
 
 def create_app(engine: AsyncEngine, model_name: str, model_path: str | None = None, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_aliases: tuple[str, ...] = ()) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_aliases: tuple[str, ...] = (),
+               max_tokens_default: int | None = None) -> FastAPI:
     """The app serving `engine` as `model_name` (and `model_aliases`). `api_key` (empty: none)
-    guards /v1/*, /tokenize and /detokenize; bodies over `max_body_bytes` get 413."""
+    guards /v1/*, /tokenize and /detokenize; bodies over `max_body_bytes` get 413; a chat
+    request without max_tokens generates up to `max_tokens_default` (None: all that fits)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if max_tokens_default is not None and max_tokens_default < 1:
+        raise ValueError(f"max_tokens_default must be positive, got {max_tokens_default}")
     aliases = tuple(alias for alias in model_aliases if alias != model_name)
-    state = ServerState(engine, model_name, model_path or engine.config.model, engine_limits(engine),
-                        ServerMetrics(engine, model_name), model_aliases=aliases)
+    state = ServerState(engine, model_name, model_path or engine.config.model,
+                        engine_limits(engine, max_tokens_default), ServerMetrics(engine, model_name),
+                        model_aliases=aliases)
     app = FastAPI(title=TITLE, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     _add_error_handlers(app, state)
@@ -268,7 +273,8 @@ def _version_info(state: ServerState, max_body_bytes: int) -> VersionInfo:
     leaks) and what start-up resolved them to."""
     engine = {**state.engine.config.summary(), "model": state.model_name}
     limits = {"max_model_len": state.limits.max_model_len, "max_request_tokens": state.limits.max_request_tokens,
-              "max_prompts_per_request": state.limits.max_prompts, "max_body_bytes": max_body_bytes}
+              "max_prompts_per_request": state.limits.max_prompts, "max_body_bytes": max_body_bytes,
+              "chat_max_tokens_default": state.limits.chat_max_tokens}
     return VersionInfo(specloop.__version__, state.model_name, engine, limits, state.engine.core.resolved.summary())
 
 

@@ -40,6 +40,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     body = p.add_argument("--max-request-body-bytes", type=cli.positive_int, dest="max_body_bytes", default=None,
                           help="larger request bodies get 413 before they are parsed")
     body.default_text = _default_max_body_bytes  # type: ignore[attr-defined]
+    p.add_argument("--max-tokens-default", type=cli.positive_int, default=None,
+                   help="max_tokens of a chat request that gives neither max_tokens nor max_completion_tokens "
+                        "(capped at what fits); default: everything that fits, up to the context length, as in vLLM")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="log level of the server and uvicorn")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -69,7 +72,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     max_body = args.max_body_bytes if args.max_body_bytes is not None else _default_max_body_bytes()
     return serve(ServeOptions(args.model, cli.engine_options(args), args.host, args.port, args.served_model_name,
                               args.log_level, args.shutdown_timeout, api_key=_api_key(args),
-                              max_body_bytes=max_body))
+                              max_body_bytes=max_body, max_tokens_default=args.max_tokens_default))
 
 
 SUBCOMMANDS: tuple[cli.AddSubcommand, ...] = (add_serve,)  # what the server adds to the library's commands

@@ -56,6 +56,7 @@ class ServeOptions:
     shutdown_timeout: float = 10.0  # seconds in-flight requests get before they are aborted
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed or logged
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens_default: int | None = None  # chat without max_tokens; None: everything that fits
 
 
 def serve(opts: ServeOptions) -> int:
@@ -78,7 +79,7 @@ def serve(opts: ServeOptions) -> int:
         sock.close()
         raise
     app = create_app(engine, name, model, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
-                     model_aliases=aliases)
+                     model_aliases=aliases, max_tokens_default=opts.max_tokens_default)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, lifespan="off",
                             timeout_graceful_shutdown=opts.shutdown_timeout + 5.0)
     server = _Server(config, app.state.server, opts.shutdown_timeout)

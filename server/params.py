@@ -38,6 +38,7 @@ class Limits:
     max_model_len: int
     max_request_tokens: int  # prompt + max_tokens that the KV cache can ever hold
     max_prompts: int  # prompts of one request: more can never all be queued (the waiting queue's size)
+    chat_max_tokens: int | None = None  # chat without max_tokens (--max-tokens-default); None: all that fits
 
 
 def completion_jobs(req: CompletionRequest, limits: Limits) -> list[Job]:
@@ -100,7 +101,9 @@ def encode_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
 
 
 def chat_job(req: ChatCompletionRequest, prompt_ids: list[int], limits: Limits) -> Job:
-    """The templated prompt as one job; max_tokens defaults to what fits."""
+    """The templated prompt as one job; max_tokens defaults to what fits (as in vLLM: a chat
+    runs to the context limit unless it stops), or to `limits.chat_max_tokens` when that is
+    smaller."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         room = min(limits.max_model_len, limits.max_request_tokens) - len(prompt_ids)
@@ -108,7 +111,7 @@ def chat_job(req: ChatCompletionRequest, prompt_ids: list[int], limits: Limits) 
             raise bad_request(f"the messages take {len(prompt_ids)} tokens, which leaves no room to generate "
                               f"within {min(limits.max_model_len, limits.max_request_tokens)} tokens",
                               "messages", code="context_length_exceeded")
-        max_tokens = room
+        max_tokens = room if limits.chat_max_tokens is None else min(room, limits.chat_max_tokens)
     try:
         params = sampling_params(req, max_tokens, logprobs=req.logprobs)
     except InvalidRequestError as exc:

@@ -238,7 +238,8 @@ class VersionInfo(Struct):
     version: str  # specloop.__version__
     model: str  # the served name
     engine: dict[str, Any]  # EngineConfig.summary(), with `model` the served name: the options as configured
-    limits: dict[str, int]  # what start-up derived: context length, KV tokens per request, body bytes
+    limits: dict[str, int | None]  # what start-up derived: context length, KV tokens per request, body bytes,
+    # a chat's default max_tokens (null: all that fits)
     resolved: dict[str, Any]  # ResolvedConfig.summary(): what `auto` and unset options became (dtype, device,
     # max_model_len, num_kv_pages, ...)
 

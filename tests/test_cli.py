@@ -196,6 +196,16 @@ def test_api_key_falls_back_to_the_environment(monkeypatch, flag, env, expected)
     assert expected is None or expected not in repr(opts)  # the key never shows in a log of the options
 
 
+def test_max_tokens_default_reaches_the_server(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr("server.main.serve", lambda opts: seen.append(opts) or 0)
+    assert main(["serve"]) == 0 and main(["serve", "--max-tokens-default", "256"]) == 0
+    assert [opts.max_tokens_default for opts in seen] == [None, 256]  # unset: chat runs to the context limit
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-tokens-default", "0"])
+    assert "--max-tokens-default" in capsys.readouterr().err
+
+
 def test_empty_api_key_flag_is_an_error(capsys):
     assert main(["serve", "--api-key", ""]) == 2
     assert capsys.readouterr().err.startswith("error: --api-key is empty")

@@ -311,6 +311,27 @@ async def test_model_aliases_are_accepted_and_answered_with_the_served_name(engi
         assert "/some/local/path" not in models and "ouro" not in models
 
 
+async def test_chat_without_max_tokens_runs_to_the_context_limit_or_the_default(tiny_ckpt):
+    """As in vLLM, a chat request without max_tokens generates up to the context length; the
+    server's --max-tokens-default caps that (never beyond what fits), and the request's own
+    max_tokens wins over it."""
+    short = AsyncEngine.from_options(str(tiny_ckpt), device="cpu", max_model_len=40)
+    try:
+        body = {"messages": CHAT["messages"], "temperature": 0, "ignore_eos": True}
+        for default, extra, want in ((None, {}, None), (3, {}, 3), (1000, {}, None), (3, {"max_tokens": 5}, 5),
+                                     (3, {"max_completion_tokens": 4}, 4)):
+            async with client_for(app_for(short, max_tokens_default=default)) as client:
+                reply = (await client.post("/v1/chat/completions", json={**body, **extra})).json()
+                if default is not None:
+                    assert (await client.get("/version")).json()["limits"]["chat_max_tokens_default"] == default
+            usage, choice = reply["usage"], reply["choices"][0]
+            room = 40 - usage["prompt_tokens"]
+            assert usage["completion_tokens"] == (room if want is None else want), (default, extra)
+            assert choice["finish_reason"] == "length"
+    finally:
+        await short.shutdown()
+
+
 # ---- OpenAPI ----------------------------------------------------------------------------------
 
 
