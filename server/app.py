@@ -39,6 +39,7 @@ from server.generation import ClientGone, Generation, until_disconnect
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import RouteDoc, openapi_document, swagger_page
 from server.params import Job, Limits, chat_job, check_chat, completion_jobs, content_chars, encode_chat
+from server.schema import Bounds
 from specloop.engine.async_engine import AsyncEngine
 from specloop.errors import SpecloopError
 from specloop.protocol import (
@@ -159,11 +160,18 @@ def create_app(engine: AsyncEngine, model_name: str, model_path: str | None = No
         return swagger_page(TITLE)
 
     document = msgspec.json.encode(openapi_document(routes.docs, title=TITLE, version=specloop.__version__,
-                                                    api_key=bool(api_key)))
+                                                    api_key=bool(api_key), bounds=schema_bounds(state)))
     app.state.routes = tuple(routes.docs)
     app.add_middleware(FrontDoor, api_key=api_key or None, max_body_bytes=max_body_bytes,
                        count_error=state.metrics.count_error)
     return app
+
+
+def schema_bounds(state: ServerState) -> Bounds:
+    """The served engine's bounds /openapi.json states for each request field."""
+    core, config, limits = state.engine.core, state.engine.config, state.limits
+    return Bounds(state.model_name, core.model.config.vocab_size, limits.max_model_len, limits.max_request_tokens,
+                  limits.max_prompts, config.max_stop_strings, config.max_stop_chars, core.max_prompt_chars)
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

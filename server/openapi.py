@@ -3,8 +3,9 @@
 FastAPI's own generator is off: it only knows pydantic models and the routes here decode
 their bodies with msgspec. Instead every route is registered together with a `RouteDoc`
 (see `server.app`), and the document is built from those: each request body schema is
-exactly `msgspec.json.schema_components` of the type the route decodes, so the document
-cannot drift from what the server accepts.
+`msgspec.json.schema_components` of the type the route decodes, so the document cannot drift
+from what decodes, narrowed field by field (`server.schema`) to what the checks after
+decoding accept, with the served engine's bounds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import msgspec
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 
+from server.schema import Bounds, refine
 from specloop.protocol import ErrorResponse
 
 REF_TEMPLATE = "#/components/schemas/{name}"
@@ -35,10 +37,12 @@ class RouteDoc:
     protected: bool = False  # needs the API key when the server has one
 
 
-def openapi_document(routes: Sequence[RouteDoc], *, title: str, version: str, api_key: bool) -> dict[str, Any]:
+def openapi_document(routes: Sequence[RouteDoc], *, title: str, version: str, api_key: bool,
+                     bounds: Bounds) -> dict[str, Any]:
     types = list(dict.fromkeys(t for r in routes for t in (r.body, r.response, r.stream) if t is not None))
     types.append(ErrorResponse)
     schemas, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
+    refine(components, bounds)
     schema_of = dict(zip(types, schemas))
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
@@ -55,9 +59,10 @@ def openapi_document(routes: Sequence[RouteDoc], *, title: str, version: str, ap
     return doc
 
 
-def request_schema(kind: type) -> tuple[dict[str, Any], dict[str, Any]]:
+def request_schema(kind: type, bounds: Bounds) -> tuple[dict[str, Any], dict[str, Any]]:
     """The schema of one body type and the components it refers to, as the document holds them."""
     (schema,), components = msgspec.json.schema_components([kind], ref_template=REF_TEMPLATE)
+    refine(components, bounds)
     return schema, components
 
 
