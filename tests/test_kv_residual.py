@@ -205,7 +205,8 @@ def test_configuration_parses_and_defaults():
     on = KVResidualQuantization.parse("{}")
     assert on.enabled and (on.bits, on.group_size, on.tail, on.policy) == (4, 64, 64, "serial")
     assert summary(KVResidualQuantization.parse({"tail": 32, "policy": "execution"})) == {
-        "enabled": True, "bits": 4, "group_size": 64, "tail": 32, "policy": "execution", "tail_share": 0.3}
+        "enabled": True, "bits": 4, "group_size": 64, "tail": 32, "policy": "execution", "tail_share": None}
+    assert KVResidualQuantization.parse({"tail_share": 0.25}).tail_share == 0.25  # null: derived from the workload
 
 
 @pytest.mark.parametrize("value, message", [
@@ -213,6 +214,8 @@ def test_configuration_parses_and_defaults():
     ({"group_size": 32}, "group_size must be 64"),
     ({"tail": 0}, "tail must be a positive integer"),
     ({"policy": "eager"}, "policy must be one of serial, execution"),
+    ({"tail_share": 1.0}, r"tail_share must lie in \(0, 1\)"),
+    ({"tail_share": True}, r"tail_share must lie in \(0, 1\)"),
     ({"enabled": "yes"}, "enabled must be true or false"),
     ({"window": 3}, "has no option 'window'"),
     ("[1]", "must be a JSON object"),

@@ -296,17 +296,23 @@ def test_shallow_planes_release_behind_their_own_frontier(tiny_ckpt, refs, spars
     _check(tiny_ckpt, refs, got, [0], sparse=sparse)
 
 
-@pytest.mark.parametrize("rows, sparse, inflight", [(13, False, 2), (8, False, 3), (13, True, 2), (13, False, 1)])
-def test_a_lone_request_runs_in_the_pages_admission_counts(tiny_ckpt, refs, rows, sparse, inflight):
+@pytest.mark.parametrize("rows, sparse, inflight, chunked", [
+    (13, False, 2, False), (8, False, 3, False), (13, True, 2, False), (13, False, 1, False),
+    (64, False, 2, True), (64, False, 3, True), (64, True, 2, True), (64, False, 1, True)])
+def test_a_lone_request_runs_in_the_pages_admission_counts(tiny_ckpt, refs, rows, sparse, inflight, chunked):
     """Admission counts a request's pages at once (`KVManager.pages_at_once`: its tail and
     wavefront span per plane), not every position it covers: in a pool of exactly that many
     pages (fewer than the request covers, but with token-sparse prefill, whose 64-row groups
     span more than this prompt at retention 0.25), the longest prompt runs alone with no preemption
-    (a bound too small would preempt it forever) and emits the reference's tokens."""
+    (a bound too small would preempt it forever) and emits the reference's tokens. `chunked`:
+    the pool holds only the span of the smallest prompt chunk (one block a plan at depth 0,
+    `KVManager.prompt_ahead`), well under a plan's rows, and a lone request still runs."""
     kw = {"sparse": sparse, "max_num_batched_tokens": rows, "max_inflight_tickets": inflight}
     total = len(PROMPTS[2]) + MAX_TOKENS
-    pages = _engine(tiny_ckpt, **kw).kv.pages_at_once(total)
+    pages = _engine(tiny_ckpt, num_kv_pages=1 if chunked else 512, **kw).kv.pages_at_once(total)
     engine = _engine(tiny_ckpt, num_kv_pages=pages, **kw)
+    if chunked and not sparse:  # (a sparse plane's span covers this whole prompt at any chunk)
+        assert engine.kv.prompt_ahead(total) == 8 < rows  # one block
     assert pages < engine.kv.pages_for(total) or sparse  # (a sparse plane's groups span this whole prompt)
     assert engine.kv.fits_ever(total, len(PROMPTS[2]))
     peak = []
@@ -321,12 +327,15 @@ def test_a_lone_request_runs_in_the_pages_admission_counts(tiny_ckpt, refs, rows
 
 
 def test_admission_refuses_what_cannot_run_alone(tiny_ckpt):
-    """A request whose pages at once exceed the pool, or whose records exceed the record
-    pool, is refused with the count, not admitted to preempt itself forever."""
+    """A request whose pages at once exceed the pool even at the smallest prompt chunk, or
+    whose records exceed the record pool, is refused with the count, not admitted to preempt
+    itself forever."""
     from specloop.errors import InvalidRequestError
     engine = _engine(tiny_ckpt, max_num_batched_tokens=13)
     total = len(PROMPTS[2]) + MAX_TOKENS
-    small = _engine(tiny_ckpt, max_num_batched_tokens=13, num_kv_pages=engine.kv.pages_at_once(total) - 1)
+    least = _engine(tiny_ckpt, max_num_batched_tokens=13, num_kv_pages=1).kv.pages_at_once(total)
+    small = _engine(tiny_ckpt, max_num_batched_tokens=13, num_kv_pages=least - 1)
+    assert small.kv.prompt_ahead(total) == 8
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with pytest.raises(InvalidRequestError, match="KV pages at once"):
         small.add_request("r", PROMPTS[2], params)
@@ -353,7 +362,7 @@ def test_byte_budget_split_and_stats(tiny_ckpt):
     assert engine.kv.records.num_records == (budget - budget // 4) // record
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     engine.add_request("a", PROMPTS[2], params)
-    seen = False
+    seen, most = False, 0
     while engine.has_unfinished():
         engine.step()
         stats = engine.stats()
@@ -361,8 +370,10 @@ def test_byte_budget_split_and_stats(tiny_ckpt):
             seen = True
             assert stats.kv_bytes_per_request["a"] == stats.kv_bytes_used  # the only request
             assert 0 < stats.kv_record_bytes_used < stats.kv_bytes_used
-            assert stats.kv_record_bytes_used == 4 * 4 * record  # 211 positions: 4 groups a plane
+            assert stats.kv_record_bytes_used % record == 0
+            most = max(most, stats.kv_record_bytes_used)
     assert seen
+    assert most == 4 * 4 * record  # 211 positions: 4 groups a plane (taken as the prompt's chunks enter)
     stats = engine.stats()
     assert stats.kv_bytes_used == stats.kv_record_bytes_used == 0
     assert stats.kv_records_free == engine.kv.records.num_records

@@ -81,8 +81,7 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
     features = [_make(cls, config, s) for cls in FEATURES if cls.enabled(config)]
     budget = KVBudget(config, device)
     decode_slots = sum(f.decode_slots() for f in features)
-    num_pages = budget.pages(page_bytes, sum(f.reserved_bytes() for f in features),
-                             min((f.page_share() for f in features), default=1.0))
+    num_pages = budget.pages(page_bytes, sum(f.reserved_bytes() for f in features), features)
     heads: dict[type, Any] = {}
     if speculation is not None:
         # A round verifies k+1 rows in one call and a pipeline advances up to R live
@@ -167,7 +166,9 @@ def fingerprint(config: EngineConfig, model: OuroModel, kv_format: str, threshol
         "num_speculative_tokens": config.num_speculative_tokens if spec == "block" else None,
         "seed": config.seed,
         "token_sparse_prefill": group_summary(config.token_sparse_prefill),
-        "kv_residual_quantization": group_summary(config.kv_residual_quantization),
+        # (tail_share sizes the pool, like num_kv_pages: a snapshot moves between pool sizes)
+        "kv_residual_quantization": {k: v for k, v in group_summary(config.kv_residual_quantization).items()
+                                     if k != "tail_share"},
         "sparse_decode_attention": group_summary(config.sparse_decode_attention),
     }
 
@@ -198,11 +199,11 @@ class KVBudget:
             return int(free * cfg.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE
         return _cpu_kv_bytes()
 
-    def pages(self, page_bytes: int, reserved: int, share: float) -> int:
-        """Pages of the KV pool: `num_kv_pages`, or the byte budget's `share` for BF16 pages
-        (all of it, or what a feature leaves them: INT4 residuals' tail share) after
-        `reserved` bytes a feature holds outside the pool (sparse decode attention's
-        reference state)."""
+    def pages(self, page_bytes: int, reserved: int, features: list[Feature]) -> int:
+        """Pages of the KV pool: `num_kv_pages`, or what the byte budget holds after `reserved`
+        bytes a feature keeps outside the pool (sparse decode attention's reference state):
+        all of it, or the pages a feature's `split` of it leaves them (INT4 residuals: the
+        rest holds their records; one feature splits)."""
         cfg = self.config
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
@@ -211,9 +212,9 @@ class KVBudget:
             raise SpecloopError(f"the KV budget of {self.total()} bytes leaves no room for pages after "
                                 f"{reserved} bytes of sparse decode reference state; lower max_num_seqs or "
                                 f"max_model_len")
-        if share < 1.0:
-            budget = int(budget * share)
-        pages = budget // page_bytes
+        splits = [p for p in (f.split(budget, page_bytes) for f in features) if p is not None]
+        assert len(splits) <= 1, "one feature shares the byte budget with the pages"
+        pages = splits[0] if splits else budget // page_bytes
         if pages < 1:
             raise SpecloopError(f"the KV budget of {budget} bytes holds no page of {page_bytes} bytes")
         return pages

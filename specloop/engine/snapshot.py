@@ -148,9 +148,11 @@ class Snapshotter:
             raise SnapshotError(f"snapshot format version {data.get('version')!r} is not supported "
                                 f"(this engine reads version {VERSION})")
         for key, value in data["config"].items():
-            if self.fingerprint.get(key) != value:
-                raise SnapshotError(f"the snapshot was taken with {key}={value!r}, this engine has "
-                                    f"{self.fingerprint.get(key)!r}")
+            mine = self.fingerprint.get(key)
+            if key == "kv_residual_quantization" and isinstance(value, dict):  # older snapshots carried
+                value = {k: v for k, v in value.items() if k != "tail_share"}  # its pool sizing too
+            if mine != value:
+                raise SnapshotError(f"the snapshot was taken with {key}={value!r}, this engine has {mine!r}")
         rid = snap.request_id
         if id_in_use:
             raise SnapshotError(f"request_id {rid!r} is already in use")

@@ -128,23 +128,27 @@ class KVResidualQuantization:
     first query lies `tail` past it), candidates included (a rollback unseals): approximate,
     what a query reads depends on chunking and batching.
     `tail_share`: with a byte budget, the share kept as BF16 pages (the tails, and a prompt's
-    positions until its groups seal: a prompt needs its BF16 pages at admission); the rest
-    holds the packed records."""
+    positions until its groups seal); the rest holds the packed records. None (the default):
+    derived from the workload the engine is configured for, so that as many requests at the
+    context length fit in the pages as in the records, beside one prompt's working set
+    (`specloop.flashloop.kv_residual.feature.KVResidualFeature.split`)."""
 
     enabled: bool = False
     bits: int = RESIDUAL_BITS
     group_size: int = RESIDUAL_GROUP
     tail: int = 64
     policy: str = "serial"
-    tail_share: float = 0.3  # of a byte KV budget (kv_cache_bytes or gpu_memory_utilization): BF16 pages
+    tail_share: float | None = None  # of a byte KV budget (kv_cache_bytes, gpu_memory_utilization); None: derived
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"kv_residual_quantization.enabled must be true or false, got {self.enabled!r}")
         share = self.tail_share
-        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0.0 < share < 1.0:
+        if share is not None and (not isinstance(share, (int, float)) or isinstance(share, bool)
+                                  or not 0.0 < share < 1.0):
             raise ConfigError(f"kv_residual_quantization.tail_share must lie in (0, 1) (the byte budget's share "
-                              f"kept as BF16 pages for tails and prompts not sealed yet), got {share!r}")
+                              f"kept as BF16 pages for tails and prompts not sealed yet) or be null (derived from "
+                              f"the workload), got {share!r}")
         if self.bits != RESIDUAL_BITS or isinstance(self.bits, bool):
             raise ConfigError(f"kv_residual_quantization.bits must be {RESIDUAL_BITS} (the packed format holds two "
                               f"codes a byte), got {self.bits!r}")

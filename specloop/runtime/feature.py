@@ -118,8 +118,9 @@ class Feature(Protocol):
     def reserved_bytes(self) -> int:
         """Device bytes it holds outside the page pool, taken off the KV budget first."""
 
-    def page_share(self) -> float:
-        """The share of the rest of a byte budget left to BF16 pages (1.0: all)."""
+    def split(self, budget: int, page_bytes: int) -> int | None:
+        """The pages of the page pool when the rest of a byte budget (`budget` bytes) is
+        shared with what the feature keeps beside the pages (None: all of it is pages)."""
 
     def decode_slots(self) -> int:
         """Token slots of the decode sub-pool generated tokens take (0: none)."""
@@ -152,15 +153,15 @@ class Feature(Protocol):
 
 
 class FeatureDefaults:
-    """Every `Feature` hook's default: nothing reserved, no share taken, no half."""
+    """Every `Feature` hook's default: nothing reserved, no budget shared, no half."""
 
     snapshot_key: str | None = None
 
     def reserved_bytes(self) -> int:
         return 0
 
-    def page_share(self) -> float:
-        return 1.0
+    def split(self, budget: int, page_bytes: int) -> int | None:
+        return None
 
     def decode_slots(self) -> int:
         return 0

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 from specloop.errors import SpecloopError
@@ -46,6 +47,13 @@ class OutOfPages(SpecloopError):
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def span_pages(spans: list[int], num_tokens: int, block_size: int) -> int:
+    """Pages a request covering `num_tokens` positions holds at most at once when plane p
+    holds pages for `spans[p]` positions at a time."""
+    full = _ceil_div(num_tokens, block_size)
+    return sum(min(full, _ceil_div(span, block_size) + 1) for span in spans)
 
 
 class PageAllocator:
@@ -204,10 +212,16 @@ class KVManager:
         # root; its pool is sized so that pages run out first), None: pages alone.
         self.records: RecordPool | None = None
         # A format that gives a plane's leading pages back once no query reads them exact
-        # (`release_prefix`): the most positions of one plane a request holds pages for at
-        # once (its tail and the wavefront's span; set by the composition root), None: every
-        # position, pages are held until the request ends.
-        self.span_limit: int | None = None
+        # (`release_prefix`; set by the composition root), None: every position's pages are
+        # held until the request ends. `plane_spans(ahead)`: per plane, the most positions a
+        # request holds pages for at once (its tail and the wavefront's span) when a plan
+        # enters at most `ahead` prompt positions at depth 0; `aheads`: the prompt chunks to
+        # choose from, largest first; `prompt_pages`: the pages one request's prompt working
+        # set may take (`prompt_ahead`).
+        self.plane_spans: Callable[[int], list[int]] | None = None
+        self.aheads: tuple[int, ...] = ()
+        self.prompt_pages = num_pages
+        self._aheads_for: dict[int, int] = {}
         self.sink_page = num_pages  # the page the KV storage keeps past the pool (written by padding rows, never read)
 
     # ----- capacity -----
@@ -255,9 +269,9 @@ class KVManager:
 
     @property
     def releases_tails(self) -> bool:
-        """Whether planes give their leading pages back while the request runs (`span_limit`):
+        """Whether planes give their leading pages back while the request runs (`plane_spans`):
         then a prompt takes its pages a plan's rows at a time, and plans carry release scans."""
-        return self.span_limit is not None
+        return self.plane_spans is not None
 
     def records_free_for(self, num_tokens: int, prompt_len: int) -> bool:
         """Whether the free records cover a new request of `num_tokens` positions (no record
@@ -266,12 +280,22 @@ class KVManager:
 
     def pages_at_once(self, num_tokens: int) -> int:
         """The most pages a request covering `num_tokens` positions holds at one time: all
-        of them, or with INT4 residuals (`span_limit`) those of its span in every plane (a
-        span not aligned to pages touches one page more)."""
-        full = self.pages_for(num_tokens)
-        if self.span_limit is None:
-            return full
-        return min(full, self.num_planes * (_ceil_div(self.span_limit, self.block_size) + 1))
+        of them, or with INT4 residuals (`plane_spans`) those of each plane's span (a span
+        not aligned to pages touches one page more)."""
+        if self.plane_spans is None:
+            return self.pages_for(num_tokens)
+        return span_pages(self.plane_spans(self.prompt_ahead(num_tokens)), num_tokens, self.block_size)
+
+    def prompt_ahead(self, num_tokens: int) -> int:
+        """With `plane_spans`: the prompt positions a plan may enter at depth 0 past the
+        depth-0 frontier of a request covering `num_tokens` positions: the largest chunk
+        whose pages at once fit `prompt_pages` (the smallest if none does)."""
+        ahead = self._aheads_for.get(num_tokens)
+        if ahead is None:
+            fits = [a for a in self.aheads
+                    if span_pages(self.plane_spans(a), num_tokens, self.block_size) <= self.prompt_pages]
+            ahead = self._aheads_for[num_tokens] = fits[0] if fits else self.aheads[-1]
+        return ahead
 
     def fits_ever(self, reserve_tokens: int, prompt_len: int = 0) -> bool:
         """Whether the request could run alone in an otherwise empty pool: its pages at once

@@ -241,7 +241,7 @@ class Scheduler:
     def _can_admit(self, req: Request) -> bool:
         if self.reserve_max_tokens:
             return self.kv.can_admit(req.reserve_tokens)
-        tokens = min(self._prompt_cover(req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
+        tokens = min(self._prompt_cover(req, req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
         if not self.kv.records_free_for(tokens, len(req.prompt_ids)):
             return False
@@ -263,7 +263,7 @@ class Scheduler:
                 return admitted  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0, len(req.prompt_ids))
-            self.kv.ensure(req.kv_key, self._prompt_cover(req.num_host_tokens))  # the prompt's pages, now
+            self.kv.ensure(req.kv_key, self._prompt_cover(req, req.num_host_tokens))  # the prompt's pages, now
             req.cell = self.cells.take()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -277,16 +277,22 @@ class Scheduler:
         frontier (a draft row, a pipeline's newest token)."""
         if req.speculating:
             return min(self.kv.frontier(req.kv_key, 0) + 1, req.reserve_tokens)
-        if self.kv.releases_tails:  # one plan's worth of prompt rows at a time (see _prompt_cover)
-            return min(req.num_tokens, self.kv.frontier(req.kv_key, 0) + self.max_rows)
+        if self.kv.releases_tails:  # a plan's worth of prompt rows at a time (see _prompt_cover)
+            return min(req.num_tokens, self.kv.frontier(req.kv_key, 0) + self.prompt_ahead(req))
         return req.num_tokens
 
-    def _prompt_cover(self, prompt_tokens: int) -> int:
+    def _prompt_cover(self, req: Request, prompt_tokens: int) -> int:
         """Positions a prompt's tables cover at admission: all of them, except in a KV format
         whose planes give their leading pages back (INT4 residuals: the BF16 tail pages go back
-        as the prompt's groups seal): there a prompt takes pages one plan's rows at a time
-        (`_need`), so its working set is the wavefront's span, not the whole prompt."""
-        return min(prompt_tokens, self.max_rows) if self.kv.releases_tails else prompt_tokens
+        as the prompt's groups seal): there a prompt takes pages `prompt_ahead` positions past
+        its depth-0 frontier at a time (`_need`), so its working set is the wavefront's span,
+        not the whole prompt."""
+        return min(prompt_tokens, self.prompt_ahead(req)) if self.kv.releases_tails else prompt_tokens
+
+    def prompt_ahead(self, req: Request) -> int:
+        """Prompt positions one plan may enter at depth 0 past the request's frontier when the
+        KV format's spans assume a chunk (`KVManager.prompt_ahead`): at most a plan's rows."""
+        return min(self.max_rows, self.kv.prompt_ahead(req.reserve_tokens))
 
     def _make_room(self) -> set[int]:
         """Grow every running request's tables to `_need`, oldest first, preempting the
@@ -334,6 +340,8 @@ class Scheduler:
         entries.sort(key=lambda e: (e[2] > 1, e[0].arrival))
         may_start = True  # until an older prompt waits for a window's slots: then nobody younger starts one
         for req, start, rows in entries:
+            if self.kv.releases_tails:  # (the KV format's spans assume no more: `_need`)
+                rows = min(rows, self.prompt_ahead(req))
             take = self._entry_rows(req, start, min(budget, rows), may_start)
             if take < min(budget, rows) and budget > 0:
                 may_start = False

@@ -17,7 +17,7 @@ from specloop.flashloop.kv_residual.planes import PackedResiduals
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS, ResidualRecords
 from specloop.flashloop.kv_residual.snapshot import ResidualPart
 from specloop.runtime.feature import FeatureDefaults, Sizing
-from specloop.scheduling.kv_manager import KVManager
+from specloop.scheduling.kv_manager import KVManager, span_pages
 
 
 class KVResidualFeature(FeatureDefaults):
@@ -34,6 +34,8 @@ class KVResidualFeature(FeatureDefaults):
         self.planes: PackedResiduals | None = None  # `attach_kv`
         self.upload_ints = 0  # the forward batch's room for its integers (`attach_kv`)
         self._batch: ResidualBatch | None = None
+        self.prompt_pages = 0  # the pages one prompt's working set may take (`KVManager.prompt_pages`)
+        self.num_records = 0  # records of a byte budget (`split`)
         cfg, spec = s.config, s.speculation
         if spec is not None and group.policy == "serial":
             # Candidates never seal, and the host learns what committed one ticket late: a
@@ -46,9 +48,68 @@ class KVResidualFeature(FeatureDefaults):
                                   f"{spec.rows_per_request} rows a request may run past its committed "
                                   f"tokens): under the serial policy only committed tokens seal")
 
-    def page_share(self) -> float:
-        """The share of a byte budget kept as BF16 pages (the rest holds the records)."""
-        return self.group.tail_share
+    def _record_bytes(self) -> int:
+        m = self.s.model
+        return PackedResiduals.record_bytes(m.num_hidden_layers, m.num_key_value_heads, m.head_dim)
+
+    def split(self, budget: int, page_bytes: int) -> int:
+        """The pages of a byte budget; the rest holds the records (`attach_kv`).
+
+        `tail_share` when given; else derived from the workload the engine is configured for,
+        its context length T (or the longest request BF16 pages alone would hold in this
+        budget, if shorter) and `max_num_seqs`: one prompt's working set of pages at once
+        (`spans` at the prompt chunk `ahead`, which keeps it within a quarter of the budget),
+        then the budget shared so that as many requests of T tokens find their decode tails
+        (`spans` at one position a plan) in the pages as their groups in the records; and
+        never fewer pages than the tails of `max_num_seqs` requests need, while those take at
+        most a quarter of the budget (a context length far above the requests served would
+        otherwise leave pages for few of them). A lone request of up to T
+        tokens always fits both (`KVManager.fits_ever`), so INT4 serves every prompt BF16
+        pages would in the same budget."""
+        record_bytes = self._record_bytes()
+        cfg, planes, bs = self.s.config, self.s.model.num_loops, self.s.config.block_size
+        pool = ResidualRecords(planes, 0, record_bytes, self.windows)
+        least = self.spans(self._aheads()[-1])
+
+        def alone(t: int) -> int:  # bytes a lone request of t tokens holds at once, at the smallest chunk
+            return span_pages(least, t, bs) * page_bytes + pool.records_for(None, t, t) * record_bytes
+
+        # the longest request that fits alone, at most what BF16 pages alone would hold (the
+        # spans make that shorter only where they cover most of such a request: tiny budgets)
+        longest = min(self.s.max_model_len, budget // (planes * page_bytes) * bs)
+        lo, hi = 0, longest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if alone(mid) <= budget else (lo, mid - 1)
+        longest = max(lo, 1)
+        records = pool.records_for(None, longest, longest)
+        fits = [a for a in self._aheads() if span_pages(self.spans(a), longest, bs) * page_bytes <= budget // 4]
+        prompt = span_pages(self.spans(fits[0] if fits else self._aheads()[-1]), longest, bs)
+        if self.group.tail_share is not None:
+            pages = int(budget * self.group.tail_share) // page_bytes
+        else:
+            decode = span_pages(self.spans(1), longest, bs)  # a decoding request's tails
+            each = decode * page_bytes + records * record_bytes
+            room = budget - prompt * page_bytes + decode * page_bytes  # the prompt's request decodes in its own
+            n = max(1, min(cfg.max_num_seqs, room // each))
+            pages = prompt + (n - 1) * decode
+            left = max(0, budget - pages * page_bytes - n * records * record_bytes)
+            pages += left * decode * page_bytes // each // page_bytes  # the rest in the same proportion
+            # and the tails of every request that may run (shorter ones than T), within a quarter
+            every = prompt + (cfg.max_num_seqs - 1) * decode
+            pages = max(pages, min(every, budget // 4 // page_bytes,
+                                   (budget - records * record_bytes) // page_bytes))  # (T's records stay)
+        self.num_records = max(0, budget - pages * page_bytes) // record_bytes
+        self.prompt_pages = min(prompt, pages)
+        return pages
+
+    def _aheads(self) -> list[int]:
+        """Prompt chunks to choose from, largest first: a plan's rows, halved down to one block."""
+        rows, bs = self.s.config.max_num_batched_tokens, self.s.config.block_size
+        out = [rows]
+        while out[-1] > bs:
+            out.append(max(bs, out[-1] // 2))
+        return out
 
     @property
     def execution_tail(self) -> int | None:
@@ -56,49 +117,53 @@ class KVResidualFeature(FeatureDefaults):
         return self.group.tail if self.group.policy == "execution" else None
 
     def attach_kv(self, kv: KVManager, num_pages: int, budget: Callable[[], int]) -> None:
-        """The planes and their host records (set on `kv`, with its span limit) and the
-        forward batch's room for their integers; `budget()`: the KV byte budget."""
+        """The planes and their host records (set on `kv`, with its spans) and the forward
+        batch's room for their integers; `budget()`: the KV byte budget."""
         cfg, m, s, group = self.s.config, self.s.model, self.s, self.group
         planes, seqs = m.num_loops, cfg.max_num_seqs
-        record_bytes = PackedResiduals.record_bytes(m.num_hidden_layers, m.num_key_value_heads, m.head_dim)
+        record_bytes = self._record_bytes()
         if cfg.num_kv_pages is not None:
             # a record per 64 positions the pages cover (a request's last one may cover less),
             # and at least one request's at the context length (its pages go back behind its
             # tail, its records stay)
             num_records = max(-(-num_pages * cfg.block_size // RECORD_ROWS) + planes * seqs,
                               planes * (-(-s.max_model_len // RECORD_ROWS) + 1))
-        else:  # the rest of the byte budget, after the BF16 pages' share
-            num_records = int(budget() * (1 - group.tail_share)) // record_bytes
+            self.prompt_pages = num_pages  # a lone prompt may take them all
+        else:  # the rest of the byte budget (`split`)
+            num_records = self.num_records
         store = PackedResiduals(m.num_hidden_layers, num_records, seqs, planes, s.max_model_len,
                                 m.num_key_value_heads, m.head_dim, group.tail, s.dtype, s.device, group.policy)
         kv.records = ResidualRecords(planes, num_records, record_bytes, self.windows)
-        kv.span_limit = self.span()
+        kv.plane_spans, kv.aheads, kv.prompt_pages = self.spans, tuple(self._aheads()), self.prompt_pages
         groups = -(-(s.max_model_len + cfg.block_size) // RECORD_ROWS)
         # resets, records, truncates, release scans
         self.upload_ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
         self.planes = store
 
-    def span(self) -> int:
-        """The most positions of one plane a request holds BF16 pages for at once
-        (`KVManager.span_limit`), tested by tests/test_kv_residual_engine.py.
+    def spans(self, ahead: int) -> list[int]:
+        """Per plane, the most positions a request holds BF16 pages for at once
+        (`KVManager.plane_spans`) when a plan enters at most `ahead` prompt positions at depth
+        0; tested by tests/test_kv_residual_engine.py.
 
         A plane's pages go back behind its release frontier less the tail and up to two
         groups (the one the frontier is in, one not sealed yet). A prompt grows its tables
-        to its depth-0 frontier plus one plan's rows, and the deepest plane trails depth 0
-        by one plan's rows in a wavefront (a token-sparse depth by one window more, as it
-        waits for whole windows, and its groups of rows span more positions); the tickets in
-        flight delay releases by a plan each past the second. Speculation runs at most
-        (tickets in flight + 1) x rows per request past the committed tokens, behind which
-        it releases."""
+        to its depth-0 frontier plus `ahead`; planned deepest first, each depth advances a
+        plan at most as far as the one before it did in the last, so plane p trails depth 0
+        by at most (p + 1) x `ahead` (one more than its own lag: with token-sparse prefill a
+        plane releases behind the next one too) and at most a plan's rows; the tickets in
+        flight delay releases by a plan's advance each past the second. A token-sparse depth
+        waits for whole windows, and its groups of rows span more positions. Speculation runs
+        at most (tickets in flight + 1) x rows per request past the committed tokens, behind
+        which it releases."""
         cfg = self.s.config
-        rows, inflight = cfg.max_num_batched_tokens, cfg.max_inflight_tickets
-        span = max(2, inflight) * rows + self.group.tail + 2 * RECORD_ROWS
+        rows, inflight, planes = cfg.max_num_batched_tokens, cfg.max_inflight_tickets, self.s.model.num_loops
+        extra = self.group.tail + 2 * RECORD_ROWS
         sparse = self.windows
         if sparse.active:  # and a sparse plane's group of 64 rows spans up to 64 / retention prompt positions
-            span += (self.s.model.num_loops - 1) * sparse.window + math.ceil(RECORD_ROWS / min(sparse.retention))
+            extra += (planes - 1) * sparse.window + math.ceil(RECORD_ROWS / min(sparse.retention))
         if self.s.speculation is not None:
-            span += (inflight + 1) * self.s.speculation.rows_per_request
-        return span
+            extra += (inflight + 1) * self.s.speculation.rows_per_request
+        return [min(rows, (p + 1) * ahead) + max(1, inflight - 1) * ahead + extra for p in range(planes)]
 
     def kv_format(self, shape: tuple) -> PackedPlanes:
         return PackedPlanes(*shape, self.planes)
