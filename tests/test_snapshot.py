@@ -124,6 +124,61 @@ def test_snapshot_then_abort_then_restore_in_the_same_engine(tiny_ckpt, uninterr
     _drained(engine)
 
 
+FEATURES = {"dense": {}, "prefill": {"token_sparse_prefill": {"window": 8, "retention": [1.0, 1.0, 0.5, 0.25]}},
+            "decode": {"sparse_decode_attention": {"key_retention": 0.3}},
+            "int4": {"kv_residual_quantization": {"tail": 16}}}
+OWED_PROMPTS = {"a": list(range(40, 10, -1)), "b": [7, 8, 9, 10, 11, 12, 13, 14, 15]}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("mode", ["plain", "block-d2", "pipeline-d1"])
+def test_an_abort_after_a_snapshot_loses_no_token(tiny_ckpt, mode, feature):
+    """After every step: snapshot `a`, abort it, restore it where it was. The abort's final
+    output carries exactly what the snapshot committed beyond what was emitted (the ticket in
+    flight), nothing more or less; once, the snapshot is restored in another engine instead.
+    Every token of the uninterrupted run comes out once, greedy and seeded, in every mode
+    and with each FlashLoop feature."""
+    options = {**MODES[mode], **FEATURES[feature], "pages": 512}
+    params = {"a": SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              "b": SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True)}
+
+    def start(engine):
+        for rid, prompt in OWED_PROMPTS.items():
+            engine.add_request(rid, prompt, params[rid])
+
+    solo = _engine(tiny_ckpt, **options)
+    start(solo)
+    done = solo.drain()
+    want = {rid: [t for o in done if o.request_id == rid for t in o.token_ids] for rid in OWED_PROMPTS}
+    engine, elsewhere = _engine(tiny_ckpt, **options), _engine(tiny_ckpt, **options)
+    start(engine)
+    got: dict[str, list[int]] = {rid: [] for rid in OWED_PROMPTS}
+    step, moved = 0, False
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.token_ids
+        step += 1
+        if "a" not in engine.requests or moved:
+            continue
+        snap = engine.snapshot("a")
+        final = engine.abort("a")
+        if final is None:  # `a` finished while the snapshot committed the ticket in flight: owed to the step
+            continue
+        assert final.finished and final.finish_reason == "abort"
+        got["a"] += final.token_ids
+        assert got["a"] == snap.data["request"]["output_ids"], f"step {step}: the abort lost or added a token"
+        moved = len(got["a"]) >= 4  # mid-run: move it to the other engine, through bytes
+        if moved:
+            elsewhere.restore(RequestSnapshot.from_bytes(snap.to_bytes()))
+        else:
+            engine.restore(snap)
+    for o in elsewhere.drain():
+        got[o.request_id] += o.token_ids
+    assert moved and got == want
+    _drained(engine)
+    _drained(elsewhere)
+
+
 def _snapshot(tiny_ckpt, **mode) -> RequestSnapshot:
     engine = _engine(tiny_ckpt, **mode)
     _start(engine)
