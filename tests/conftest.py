@@ -25,6 +25,45 @@ from specloop.checkpoint import load_model  # noqa: E402
 from specloop.checkpoint.random_checkpoint import PRESETS, write_random_checkpoint
 from specloop.config import ModelConfig
 
+# The `slow` marker (pyproject) leaves these out of the README's smoke subset, `-m "not slow"`:
+# modules and single tests that take seconds each, chosen from `--durations` on the 2-core CI
+# machine (seconds of the module or test, run alone). A node id starts with one of them.
+SLOW = (
+    "tests/chaos/",  # 183: hundreds of requests through AsyncEngine, HTTP and snapshots
+    "tests/test_kernels_sparse_decode.py",  # 147: the Triton interpreter
+    "tests/test_kv_residual_engine.py",  # 137
+    "tests/test_kernels_packed_attention.py",  # 104: the interpreter
+    "tests/test_sparse_decode_engine.py",  # 97
+    "tests/test_speculation.py",  # 73
+    "tests/test_attention_backends.py",  # 61: the interpreter end to end
+    "tests/test_bit_exact.py",  # 35
+    "tests/test_kernels_residual_encode.py",  # 33
+    "tests/test_kernels_paged_attention.py",  # 25
+    "tests/test_server_hostile.py",  # 25: a real server
+    "tests/test_cuda_graphs.py",  # 22 (CPU: the interpreter cases)
+    "tests/test_flashloop_matrix.py",  # 22
+    "tests/test_server_speculation.py",  # 22: real servers
+    "tests/test_server_preemption.py",  # 19
+    "tests/test_server_lifecycle.py",  # 17
+    "tests/test_security.py",  # 17
+    "tests/test_kernels_rope.py",  # 17
+    "tests/test_server_sparse_prefill.py",  # 13
+    "tests/test_speculation_chaos.py",  # 10
+    "tests/test_server_queue.py",  # 8
+    "tests/test_fault_injection.py::test_server_with_a_forward_fault_fails_every_request_and_exits_1",  # 9
+    "tests/test_cli.py::test_engine_death_stops_the_server_with_exit_1",  # 8
+    "tests/test_cli.py::test_api_key_and_positional_model",  # 6
+    "tests/test_prompt_bound.py::test_no_token_covers_more_than_the_longest[shipped]",  # 7
+    "tests/test_token_sparse_prefill.py::test_triton_backend_under_the_interpreter",  # 4
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+
+
 TINY = PRESETS["tiny"]  # GQA: 4 query heads over 2 KV heads
 TINY_MHA = dataclasses.replace(TINY, num_key_value_heads=4, num_hidden_layers=3, hidden_size=48,
                                head_dim=12, vocab_size=300)
