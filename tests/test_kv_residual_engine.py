@@ -224,18 +224,48 @@ def test_residuals_change_what_the_model_reads(tiny_ckpt, refs):
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_triton_reader_matches_the_torch_backend(tiny_ckpt, device):
     """The Triton backend reads through the packed attention kernel (under the interpreter on
-    CPU): in fp32 the same greedy tokens as the torch backend, logprobs within 1e-3 (the two
-    attention sums differ in rounding, which can flip an INT4 code near a boundary: see the
-    module docstring), and tail pages back in the pool at the end."""
+    CPU), its prompt chunks dequantized once (`kv_residual.chunks`): in fp32 the same greedy
+    tokens as the torch backend, logprobs within 1e-3 (the two attention sums differ in
+    rounding, which can flip an INT4 code near a boundary: see the module docstring), and
+    tail pages back in the pool at the end."""
     prompts = {"a": PROMPTS[1][:80]} if device == "cpu" else {"a": PROMPTS[0], "b": PROMPTS[2]}
     runs = {}
     for backend in ("torch", "triton"):
         engine = _engine(tiny_ckpt, dtype="float32", device=device, attention_backend=backend,
                          max_num_batched_tokens=2048)
         runs[backend] = _run(engine, prompts)
+        if backend == "triton":
+            assert engine.backend.kv.chunk_rows >= len(prompts["a"]), "prompt chunks left the reader"
     for rid in prompts:
         assert runs["triton"][rid][0] == runs["torch"][rid][0], rid
         assert runs["triton"][rid][1] == pytest.approx(runs["torch"][rid][1], abs=1e-3), rid
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is on "
+                                                 "only without CUDA (tests/conftest.py); the cuda case runs instead")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_prompt_chunks_read_what_the_reader_reads(tiny_ckpt, device, monkeypatch):
+    """Prompt chunks dequantized once read each key as the packed reader does: with plans of
+    64 rows (later chunks read groups earlier ones sealed, and groups sealing inside the
+    chunk) the same tokens as with every row in the reader, logprobs within 1e-4 (fp32; only
+    the attention sums' order differs), and the torch backend's tokens. (On the H200 both
+    Triton runs sit 1.45e-3 from the torch backend on one token of the 211-token prompt, a
+    code flip the chunks do not cause.)"""
+    import specloop.flashloop.kv_residual.batch as residual_batch
+    prompts = {"a": PROMPTS[0]} if device == "cpu" else {"a": PROMPTS[0], "b": PROMPTS[2]}
+    kw = {"dtype": "float32", "device": device, "max_num_batched_tokens": 64}
+    torch_run = _run(_engine(tiny_ckpt, attention_backend="torch", **kw), prompts)
+    chunked = _engine(tiny_ckpt, attention_backend="triton", **kw)
+    with_chunks = _run(chunked, prompts)
+    assert chunked.backend.kv.chunk_rows >= sum(len(p) for p in prompts.values())
+    monkeypatch.setattr(residual_batch, "CHUNK_ROWS", 1 << 30)
+    reader = _engine(tiny_ckpt, attention_backend="triton", **kw)
+    without = _run(reader, prompts)
+    assert reader.backend.kv.chunk_rows == 0
+    for rid in prompts:
+        assert with_chunks[rid][0] == without[rid][0] == torch_run[rid][0], rid
+        assert with_chunks[rid][1] == pytest.approx(without[rid][1], abs=1e-4), rid
 
 
 @pytest.mark.parametrize("kw, message", [

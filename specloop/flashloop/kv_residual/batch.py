@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from specloop.flashloop.kv_residual.chunks import CHUNK_ROWS, PromptChunk, PromptChunks
 from specloop.plan import Plan, RowGroup
 from specloop.runtime.forward_batch import ForwardBatch, LoopPass
 
@@ -63,7 +64,8 @@ class ResidualUpdate:
     truncate: torch.Tensor  # [U, 2] long: (cell, keep): rows at positions >= keep leave every plane
 
 
-PassInfo = tuple[list[int], list[int], int, tuple[int, ...]]  # cells, plane tables, candidates, depths
+PassInfo = tuple[list[int], list[int], int, tuple[int, ...], PromptChunks]
+# (cells, plane tables, candidates, depths, prompt chunks)
 
 
 class ResidualBatch:
@@ -117,16 +119,20 @@ class ResidualBatch:
         plane_tables = [table_at.get((c, plane), -1) if plane >= shallowest[c] else -1
                         for c in cells for plane in range(self.num_loops)]
         depths = tuple(sorted({q for _, q in rows}))
+        chunks = PromptChunks(PromptChunk(first, g.num_rows, g.cell, g.depth + p, g.end, table_at[g.cell, g.depth + p])
+                              for g, first in zip(ordered, firsts)
+                              if g.loops > p and g.num_rows >= CHUNK_ROWS and g.end <= g.decode_from)
         if self.tail is None:  # serial: a cell's rows in the pass, whatever their planes
             per_cell: dict[int, int] = {}
             for (c, _), n in rows.items():
                 per_cell[c] = per_cell.get(c, 0) + n
-            return cells, plane_tables, residual_candidates(max(per_cell.values(), default=0), self.num_loops), depths
+            return (cells, plane_tables, residual_candidates(max(per_cell.values(), default=0), self.num_loops),
+                    depths, chunks)
         # execution: the groups the previous pass at each plane left full may seal here
         most = max((self._backlog[c][q] + n for (c, q), n in rows.items()), default=0)
         for (c, q), n in rows.items():
             self._backlog[c][q] = n
-        return cells, plane_tables, residual_candidates(most, self.num_loops, self.tail), depths
+        return cells, plane_tables, residual_candidates(most, self.num_loops, self.tail), depths, chunks
 
     def graph_shape(self, bucket: int) -> tuple[int, tuple[int, ...]]:
         """(candidates, planes) of a graphed pass's `ResidualPass`: fixed by the bucket (a
@@ -134,7 +140,8 @@ class ResidualBatch:
         return residual_candidates(bucket, self.num_loops, self.tail or 0), tuple(range(self.num_loops))
 
     def left_out(self, info: PassInfo) -> list[int]:
-        return []
+        """The prompt chunks' rows: they attend dequantized once (`chunks`), not in the reader."""
+        return [r for c in info[4] for r in range(c.first, c.first + c.rows)]
 
     def _size(self, bucket: int, cells: int) -> int:
         return bucket + cells * (1 + self.num_loops)
@@ -143,7 +150,7 @@ class ResidualBatch:
         return self._size(bucket, min(bucket, self.max_seqs) if info is None else len(info[0]))
 
     def fits_graph(self, info: PassInfo, bucket: int) -> bool:
-        return info[2] <= self.graph_shape(bucket)[0]
+        return info[2] <= self.graph_shape(bucket)[0] and not info[4]  # (chunks run eager)
 
     def graph_columns(self, bucket: int) -> int:
         return self._size(bucket, min(bucket, self.max_seqs))
@@ -169,7 +176,9 @@ class ResidualBatch:
                                               columns[b + c: b + c * (1 + p)].view(c, p), *shape)
 
     def pass_view(self, lp: LoopPass, columns: torch.Tensor, info: PassInfo, graphed: bool) -> None:
-        self._view(lp, columns, self.graph_shape(lp.bucket) if graphed else info[2:])
+        self._view(lp, columns, self.graph_shape(lp.bucket) if graphed else info[2:4])
+        if info[4]:
+            lp.notes[PromptChunks] = info[4]
 
     def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: bool) -> None:
         self._view(lp, columns, self.graph_shape(lp.bucket))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from specloop.flashloop.kv_residual.batch import ResidualPass
+from specloop.flashloop.kv_residual.chunks import ChunkReads, PromptChunk, PromptChunks, chunk_attention, chunk_reads
 from specloop.kernels.packed_attention import packed_attention, packed_splits
 from specloop.kernels.sparse_decode_common import PackedRows
 from specloop.runtime.kv_format import KeyReader, PagedKV
@@ -28,6 +29,8 @@ class PassReads:
     positions: torch.Tensor  # [N_p]
     plan: EncodePlan
     tables: torch.Tensor
+    chunks: list[PromptChunk] = dataclasses.field(default_factory=list)  # left out of the reader's tiles
+    reads: dict[int, ChunkReads] = dataclasses.field(default_factory=dict)  # per chunk, built at its first layer
 
 
 class PackedPlanes(PagedKV):
@@ -35,12 +38,14 @@ class PackedPlanes(PagedKV):
                  dtype: torch.dtype, device: torch.device, planes: PackedResiduals) -> None:
         super().__init__(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
         self.planes = planes
+        self.chunk_rows = 0  # prompt-chunk rows attended dequantized once (`chunks`), counted at layer 0
 
     def pass_state(self, lp: Any) -> PassReads | None:
         plan = lp.notes.get(EncodePlan)
         if plan is None:
             return None
-        return PassReads(lp.notes[ResidualPass].cells, lp.depths, lp.positions, plan, lp.tables)
+        return PassReads(lp.notes[ResidualPass].cells, lp.depths, lp.positions, plan, lp.tables,
+                         lp.notes.get(PromptChunks, []))
 
     def encode(self, layer: int, state: PassReads | None) -> None:
         """The groups that turned ready in this pass, before anyone reads them."""
@@ -79,13 +84,25 @@ class PackedPlanes(PagedKV):
     def attention(self, layer: int, q: torch.Tensor, meta: Any, state: PassReads | None, out: torch.Tensor | None,
                   return_lse: bool, scores: torch.Tensor | None, score_rows: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The packed reader over the pass's query tiles: each key exact or packed."""
+        """The packed reader over the pass's query tiles: each key exact or packed; then the
+        prompt chunks the tiles leave out, each dequantized once (`chunks.chunk_attention`)."""
         assert state is not None, "every pass of a packed format has its reads"
-        return packed_attention(q, self.k[layer], self.v[layer], state.tables, self.page_size,
-                                self.planes.layer_view(layer), state.cells, state.depths, state.positions,
-                                meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
-                                tile_rows=meta.tile_rows, out=out, return_lse=return_lse, scores=scores,
-                                score_rows=score_rows)
+        out, lse = packed_attention(q, self.k[layer], self.v[layer], state.tables, self.page_size,
+                                    self.planes.layer_view(layer), state.cells, state.depths, state.positions,
+                                    meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
+                                    tile_rows=meta.tile_rows, out=out, return_lse=return_lse, scores=scores,
+                                    score_rows=score_rows)
+        for i, chunk in enumerate(state.chunks):
+            reads = state.reads.get(i)
+            if reads is None:
+                reads = state.reads[i] = chunk_reads(self.planes, chunk, state.positions, state.tables,
+                                                     self.page_size, q.dtype)
+            rows = slice(chunk.first, chunk.first + chunk.rows)
+            out[rows] = chunk_attention(self.planes, layer, q[rows], self.k[layer], self.v[layer], state.tables,
+                                        self.page_size, chunk, reads, q.shape[-1] ** -0.5)
+            if layer == 0:
+                self.chunk_rows += chunk.rows
+        return out, lse
 
     def key_reader(self, layer: int, tables: torch.Tensor, table_offsets: torch.Tensor, every: bool,
                    state: PassReads | None) -> KeyReader:
