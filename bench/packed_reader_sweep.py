@@ -26,6 +26,7 @@ value), so each time comes with the bandwidth it reaches.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -41,6 +42,7 @@ from specloop.kernels.packed_rows import NEVER
 from specloop.kernels.paged_attention import TILE_COLUMNS, block_g, choose_splits, paged_attention
 
 GROUP = 64
+ENGINE_BLOCK_N = 32  # the engine's packed reader launches (specloop/kernels/packed_attention.py)
 
 
 def build(batch: int, length: int, planes: int, heads: int, kv_heads: int, dim: int, tail: int, page: int,
@@ -79,9 +81,10 @@ def check(case: dict, rows: tuple, page: int, **kw) -> float:
     nothing): the largest absolute difference, asserted within bf16's 2e-2."""
     args = (case["q"], case["k_tail"], case["v_tail"], case["tables"], page, case["packed"], *rows)
     got, _ = packed_attention_triton(*args, **kw)
-    if "want" not in case:  # once per case
-        case["want"] = packed_attention_reference(*args)[0].float()
-    err = float((got.float() - case["want"]).abs().max())
+    key = ("want", int(rows[1][0]))  # once per case and depth
+    if key not in case:
+        case[key] = packed_attention_reference(*args)[0].float()
+    err = float((got.float() - case[key]).abs().max())
     assert err <= 2e-2, f"the packed kernel differs from its reference by {err}"
     return err
 
@@ -109,7 +112,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--lengths", default="8192,32768")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--depth", default="3", help="depths, comma-separated (0-based: 3 reads four planes)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
@@ -119,6 +122,8 @@ def main() -> None:
     p.add_argument("--splits", default="engine,64,128")
     p.add_argument("--warps", default="default,8")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--group-blocks", default="on,off",
+                   help="on: dense blocks read a record a plane (the engine's); off: every key gathered")
     args = p.parse_args()
     planes = 4
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
@@ -128,61 +133,64 @@ def main() -> None:
               "args": vars(args), "results": []}
     for length in (int(x) for x in args.lengths.split(",")):
         case = build(args.batch, length, planes, args.heads, args.kv_heads, args.dim, args.tail, args.page, device)
-        b, d = args.batch, args.depth
-        cell = torch.arange(b, dtype=torch.int32, device=device)
-        depth = torch.full((b,), d, dtype=torch.int32, device=device)
-        position = torch.full((b,), length - 1, dtype=torch.int32, device=device)
-        offset = ((cell * planes + d) * case["pages_per_plane"]).to(torch.int32)
-        engine_splits = choose_splits(b, args.kv_heads, length, sms)  # the BF16 kernel's
-        packed_engine_splits = packed_splits(b, args.kv_heads, length, sms)
-        keys = b * length
-        head_bytes = args.kv_heads * args.dim
-        exact = b * (length - case["sealed_groups"] * GROUP)
-        packed_bytes = ((keys - exact) * (d + 1) * head_bytes  # K and V codes: a byte per two values, each
-                        + (keys - exact) // GROUP * (d + 1) * head_bytes * 4  # K scale + lo per group and channel
-                        + (keys - exact) * (d + 1) * args.kv_heads * -(-args.dim // GROUP) * 4  # V per row
-                        + exact * head_bytes * 4)  # the tail's K and V, BF16
-        bf16_bytes = keys * head_bytes * 4
-        tiles = torch.stack([torch.arange(b), torch.ones(b, dtype=torch.long), offset.long().cpu()], 1)
-        tiles = tiles.to(torch.int32).to(device).contiguous()
-        assert tiles.shape[1] == TILE_COLUMNS
-        err = check(case, (cell, depth, position, offset), args.page, num_splits=packed_engine_splits)
-        tile_rows = max(1, 16 // block_g(args.heads, args.kv_heads))  # the engine's decode tiles (M >= 16)
-        bf16 = time_ms(lambda: paged_attention(case["q"], case["k_tail"], case["v_tail"], case["tables"], position,
-                                               tiles, args.page, tile_rows=tile_rows, num_splits=engine_splits),
-                       args.reps)
-        row = {"length": length, "batch": b, "depth": d, "bf16_ms": bf16, "bf16_splits": engine_splits,
-               "engine_config_max_abs_err_vs_reference": err,
-               "bf16_gbs": bf16_bytes / bf16 / 1e6, "packed_bytes": packed_bytes, "bf16_bytes": bf16_bytes,
-               "packed": []}
-        print(f"{b} x {length}, depth {d}: BF16 {bf16 * 1e3:.1f} us ({row['bf16_gbs']:.0f} GB/s), "
-              f"{engine_splits} splits", file=sys.stderr, flush=True)
-        for block_n in (int(x) for x in args.block_n.split(",")):
-            for splits_arg in args.splits.split(","):
-                splits = packed_engine_splits if splits_arg == "engine" else int(splits_arg)
-                for warps_arg in args.warps.split(","):
-                    warps = None if warps_arg == "default" else int(warps_arg)
-                    label = f"block_n {block_n}, {splits} splits, warps {warps_arg}"
-                    kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps}
+        b = args.batch
+        for d in (int(x) for x in args.depth.split(",")):
+            cell = torch.arange(b, dtype=torch.int32, device=device)
+            depth = torch.full((b,), d, dtype=torch.int32, device=device)
+            position = torch.full((b,), length - 1, dtype=torch.int32, device=device)
+            offset = ((cell * planes + d) * case["pages_per_plane"]).to(torch.int32)
+            engine_splits = choose_splits(b, args.kv_heads, length, sms)  # the BF16 kernel's
+            packed_engine_splits = packed_splits(b, args.kv_heads, length, sms)
+            keys = b * length
+            head_bytes = args.kv_heads * args.dim
+            exact = b * (length - case["sealed_groups"] * GROUP)
+            packed_bytes = ((keys - exact) * (d + 1) * head_bytes  # K and V codes: a byte per two values, each
+                            + (keys - exact) // GROUP * (d + 1) * head_bytes * 4  # K scale + lo per group and channel
+                            + (keys - exact) * (d + 1) * args.kv_heads * -(-args.dim // GROUP) * 4  # V per row
+                            + exact * head_bytes * 4)  # the tail's K and V, BF16
+            bf16_bytes = keys * head_bytes * 4
+            tiles = torch.stack([torch.arange(b), torch.ones(b, dtype=torch.long), offset.long().cpu()], 1)
+            tiles = tiles.to(torch.int32).to(device).contiguous()
+            assert tiles.shape[1] == TILE_COLUMNS
+            err = check(case, (cell, depth, position, offset), args.page, num_splits=packed_engine_splits)
+            tile_rows = max(1, 16 // block_g(args.heads, args.kv_heads))  # the engine's decode tiles (M >= 16)
+            bf16 = time_ms(lambda: paged_attention(case["q"], case["k_tail"], case["v_tail"], case["tables"], position,
+                                                   tiles, args.page, tile_rows=tile_rows, num_splits=engine_splits),
+                           args.reps)
+            row = {"length": length, "batch": b, "depth": d, "bf16_ms": bf16, "bf16_splits": engine_splits,
+                   "engine_config_max_abs_err_vs_reference": err,
+                   "bf16_gbs": bf16_bytes / bf16 / 1e6, "packed_bytes": packed_bytes, "bf16_bytes": bf16_bytes,
+                   "packed": []}
+            print(f"{b} x {length}, depth {d}: BF16 {bf16 * 1e3:.1f} us ({row['bf16_gbs']:.0f} GB/s), "
+                  f"{engine_splits} splits", file=sys.stderr, flush=True)
+            for block_n in (int(x) for x in args.block_n.split(",")):
+                for splits_arg in args.splits.split(","):
+                    splits = packed_engine_splits if splits_arg == "engine" else int(splits_arg)
+                    for warps_arg, blocks in itertools.product(args.warps.split(","), args.group_blocks.split(",")):
+                        warps = None if warps_arg == "default" else int(warps_arg)
+                        label = f"block_n {block_n}, {splits} splits, warps {warps_arg}, group blocks {blocks}"
+                        kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps,
+                              "group_blocks": blocks == "on"}
 
-                    def run() -> None:
-                        packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
-                                                args.page, case["packed"], cell, depth, position, offset, **kw)
-                    entry = {"block_n": block_n, "splits": splits, "warps": warps_arg}
-                    try:
-                        entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
-                                                                  args.page, **kw)
-                        ms = time_ms(run, args.reps)
-                    except Exception as exc:  # one Triton cannot compile (registers, shared memory), or wrong
-                        row["packed"].append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                        print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
-                        continue
-                    engine = block_n == 32 and splits_arg == "engine" and warps is None
-                    row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
-                                                  "engine": engine})
-                    print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",
-                          file=sys.stderr, flush=True)
-        record["results"].append(row)
+                        def run() -> None:
+                            packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
+                                                    args.page, case["packed"], cell, depth, position, offset, **kw)
+                        entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "group_blocks": blocks}
+                        try:
+                            entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
+                                                                      args.page, **kw)
+                            ms = time_ms(run, args.reps)
+                        except Exception as exc:  # one Triton cannot compile (registers, shared memory), or wrong
+                            row["packed"].append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                            print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
+                            continue
+                        engine = (block_n == ENGINE_BLOCK_N and splits_arg == "engine" and warps is None
+                                  and blocks == "on")
+                        row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
+                                                      "engine": engine})
+                        print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",
+                              file=sys.stderr, flush=True)
+            record["results"].append(row)
         Path(args.out).write_text(json.dumps(record, indent=1))
         del case
         torch.cuda.empty_cache()

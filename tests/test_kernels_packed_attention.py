@@ -79,8 +79,10 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _case(seed: int, lengths: list[int], modes: list[str], rows: list[tuple[int, int, int]], heads: int,
-          kv_heads: int, dim: int, dtype: torch.dtype, page_size: int = 16, keep: float = 0.7) -> Case:
-    """Cells of the given lengths; `modes` per cell: "open" (every record NEVER), "sealed"
+          kv_heads: int, dim: int, dtype: torch.dtype, page_size: int = 16, keep: float = 0.7,
+          shift: bool = True) -> Case:
+    """Cells of the given lengths (a share `keep` of a plane's rows also at the next; compact
+    rows from a random start, or from 0 without `shift`); `modes` per cell: "open" (every record NEVER), "sealed"
     (every record sealed at 0) or "mixed" (NEVER, 0, a random position, a query position of
     the cell or one past it); rows (cell, depth, position)."""
     gen = torch.Generator().manual_seed(seed)
@@ -98,10 +100,11 @@ def _case(seed: int, lengths: list[int], modes: list[str], rows: list[tuple[int,
         for p in range(PLANES):
             if p:
                 has = has & (torch.rand(t, generator=gen) < keep)
-            shift = int(torch.randint(0, 6, (1,), generator=gen))  # compact rows need not start at 0
+            start = int(torch.randint(0, 6, (1,), generator=gen))  # compact rows need not start at 0
+            start = start if shift else 0
             count = int(has.sum())
-            row_maps[c, p, :t][has] = torch.arange(count, dtype=torch.int32) + shift
-            groups_of[c, p] = -(-(count + shift) // 64)
+            row_maps[c, p, :t][has] = torch.arange(count, dtype=torch.int32) + start
+            groups_of[c, p] = -(-(count + start) // 64)
             owners.extend([(c, p)] * groups_of[c, p])
     spare = 3  # records no table points at
     order = torch.randperm(len(owners) + spare, generator=gen).tolist()
@@ -369,6 +372,57 @@ def _kernel_reads_like_reference(case: Case, dtype: torch.dtype, **kw) -> None:
     want_k, want_v = read_keys_reference(*case.storage(), 150)
     _same(k, want_k)
     _same(v, want_v)
+
+
+@pytest.mark.parametrize("dtype, block_n, splits", [(torch.float32, 64, 1), (torch.bfloat16, 32, 3)])
+def test_dense_blocks_read_a_record_at_a_time(dtype, block_n, splits):
+    """Dense planes (every position a row at every plane, compact rows from 0: the engine's
+    planes without token-sparse prefill or exits) with seals below, at and above the rows
+    and NEVER, decode rows and tiles: the kernel reads a block of keys from one record a
+    plane (`_group_block`), the same bits as gathering key by key (group_blocks False) and
+    within the reference's tolerance. A probe shows the block path is taken: row maps
+    broken inside such blocks (not at their ends, which it checks) change what the per-key
+    gather reads and nothing the block path reads."""
+    rows = [(0, d, pos) for d in range(PLANES) for pos in (149, 130, 70)] + [(1, 3, 99), (1, 0, 64), (2, 2, 79)]
+    case = _case(5, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, 32, dtype, keep=1.0, shift=False)
+    assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
+    kw = dict(return_lse=True, block_n=block_n, num_splits=splits)
+    out, lse = packed_attention_triton(*case.args(), **kw)
+    gathered, gathered_lse = packed_attention_triton(*case.args(), group_blocks=False, **kw)
+    _same(out, gathered)
+    _same(lse, gathered_lse)
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+    # tiles of rows of one cell and depth: blocks every row reads one way, and straddling ones
+    order = sorted(range(len(rows)), key=lambda i: rows[i][:2])
+    tiled = dataclasses.replace(case, **{f: getattr(case, f)[order] for f in
+                                        ("q", "cell", "depth", "position", "table_offset")})
+    groups: dict = {}
+    for n, i in enumerate(order):
+        groups.setdefault(rows[i][:2], []).append(n)
+    tiles = torch.tensor([[ns[0], len(ns), int(tiled.table_offset[ns[0]])] for ns in groups.values()],
+                         dtype=torch.int32, device=DEVICE)
+    kw = dict(kw, tiles=tiles, tile_rows=3)
+    out, lse = packed_attention_triton(*tiled.args(), **kw)
+    gathered, gathered_lse = packed_attention_triton(*tiled.args(), group_blocks=False, **kw)
+    _same(out, gathered)
+    _same(lse, gathered_lse)
+    # the probe, on decode rows (every block one way): break the maps inside whole blocks
+    # below every row's position
+    probe = [(c, d, pos) for c, d, pos in rows if c == 0 and pos == 149]
+    case = _case(5, [150, 100, 80], ["sealed", "sealed", "open"], probe, 4, 2, 32, dtype, keep=1.0, shift=False)
+    kw = dict(return_lse=True, block_n=block_n, num_splits=1)
+    clean, _ = packed_attention_triton(*case.args(), **kw)
+    j = torch.arange(128, device=DEVICE)
+    inside = j[(j % 32 != 0) & (j % 32 != 31)]
+    maps = case.packed.row_maps.clone()
+    maps[0, :, inside] = -1
+    broken = dataclasses.replace(case, packed=dataclasses.replace(case.packed, row_maps=maps))
+    out, _ = packed_attention_triton(*broken.args(), **kw)
+    _same(out, clean)
+    per_key, _ = packed_attention_triton(*broken.args(), group_blocks=False, **kw)
+    assert not torch.equal(per_key, clean)
 
 
 def test_packed_splits_split_long_contexts_of_few_programs():

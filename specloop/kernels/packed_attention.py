@@ -86,7 +86,8 @@ import triton
 import triton.language as tl
 
 from specloop.kernels.packed_keys import (
-    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _key_seals, _reconstructed,
+    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _group_block,
+    _group_reconstructed, _key_seals, _reconstructed,
     _storage, _use_triton, row_keys,
 )
 from specloop.kernels.paged_attention import TILE_COLUMNS, check_scores, choose_splits
@@ -120,6 +121,22 @@ def _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES: tl.constexpr):
     return first, rows, table
 
 
+@triton.jit
+def _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys, STORE_SCORES: tl.constexpr):
+    """One key block's online-softmax step on raw scores s [M, N]: the probabilities (not
+    yet normalised), the factor the accumulator is rescaled by, and the new max and sum;
+    with STORE_SCORES the scaled scores of the seen keys go to each lane's scores row."""
+    if STORE_SCORES:  # never past a scores row
+        keep = seen & (j < score_keys)[None, :] & score_ok[:, None]
+        tl.store(score_row[:, None] + j[None, :], s * scale, mask=keep)
+    s = tl.where(seen, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
 # (score_rows_ptr is the positions array itself in a launch that keeps no scores)
 @triton.jit(do_not_specialize=["splits"],
             do_not_specialize_on_alignment=_INDEX_POINTERS + ["scores_ptr", "score_rows_ptr"])
@@ -133,7 +150,7 @@ def _attention_kernel(
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
-    STORE_SCORES: tl.constexpr,
+    STORE_SCORES: tl.constexpr, GROUP_BLOCKS: tl.constexpr,
 ):
     first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
     kv_head = tl.program_id(1)
@@ -147,6 +164,8 @@ def _attention_kernel(
     lane_ok = (pos >= 0) & (g < GQA)
     context = tl.max(pos, axis=0) + 1
     if context > 0:
+        score_row = scores_ptr  # (placeholders: read only with STORE_SCORES)
+        score_ok = lane_ok
         if STORE_SCORES:  # each row's scores row, -1 for none
             score_at = tl.load(score_rows_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int64)
             score_row = scores_ptr + score_at * stride_sr + (kv_head * GQA + g) * stride_sh
@@ -165,55 +184,73 @@ def _attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # the last key any lane sees: a dense block is checked up to it (`_group_block`)
+        low_pos = tl.min(tl.where(lane_ok, pos, 2147483647), axis=0)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
-            r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
-                                                         max_groups, max_len, PLANES)
-            seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
-            # per (query, key): seen by causality, then read reconstructed (sealed) or exact
             seen = j_ok[None, :] & (j[None, :] <= pos[:, None])
-            sealed = seen & (pos[:, None] >= seal[None, :])
-            recon = tl.max(sealed.to(tl.int32), axis=0) > 0  # keys some query reads reconstructed
-            exact = tl.max((seen & ~sealed).to(tl.int32), axis=0) > 0  # keys some query reads exact
-            k_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-            v_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-            if tl.max(recon.to(tl.int32), axis=0) > 0:  # no decode in a block of exact keys
-                kr, vr = _reconstructed(recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                                        v_scale_ptr, v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3, dtype,
-                                        HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
-                k_hat = kr.to(DOT_DTYPE)  # exact: kr holds DT values
-                v_hat = vr.to(DOT_DTYPE)
-            k_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-            v_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-            if tl.max(exact.to(tl.int32), axis=0) > 0:  # no tail load in a block of sealed keys
-                ke, ve = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks, stride_kh,
-                                stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
-                k_ex = ke.to(DOT_DTYPE)
-                v_ex = ve.to(DOT_DTYPE)
-            # a key that some queries read reconstructed and others exact (the tile straddles
-            # its seal) needs both versions in the block's products; otherwise one K and one V
-            both = tl.max((recon & exact).to(tl.int32), axis=0) > 0
-            if both:
-                s = tl.where(sealed, _dot(q, tl.trans(k_hat), DOT_FP32), _dot(q, tl.trans(k_ex), DOT_FP32))
+            dense, seal_b, f0, f1, f2, f3 = _group_block(start, tl.minimum(start + BLOCK_N, hi) - 1, cell, depth,
+                                                         seal_ptr, group_tables_ptr, row_maps_ptr, max_groups,
+                                                         max_len, PLANES)
+            # every lane that sees the block reads it one way: all reconstructed, or all exact
+            all_recon = tl.maximum(low_pos, start) >= seal_b
+            all_exact = context - 1 < seal_b
+            if dense & (all_recon | all_exact) & GROUP_BLOCKS:
+                if all_recon:
+                    kr, vr = _group_reconstructed(start % 64 + tl.arange(0, BLOCK_N), kv_head, k_codes_ptr,
+                                                  k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                                  num_kv_heads, f0, f1, f2, f3, dtype, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                                  PLANES, V_GROUPS, BF16_BY_HAND)
+                    k1 = kr.to(DOT_DTYPE)  # exact: kr holds DT values
+                    v1 = vr.to(DOT_DTYPE)
+                else:
+                    ke, ve = _exact(j, j_ok, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
+                                    stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
+                    k1 = ke.to(DOT_DTYPE)
+                    v1 = ve.to(DOT_DTYPE)
+                s = _dot(q, tl.trans(k1), DOT_FP32)
+                p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
+                                             STORE_SCORES)
+                acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v1, DOT_FP32)
             else:
-                s = _dot(q, tl.trans(tl.where(recon[:, None], k_hat, k_ex)), DOT_FP32)
-            if STORE_SCORES:  # never past a scores row
-                keep = seen & (j < score_keys)[None, :] & score_ok[:, None]
-                tl.store(score_row[:, None] + j[None, :], s * scale, mask=keep)
-            s = tl.where(seen, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if both:
-                pv = _dot(tl.where(sealed, p, 0.0).to(DOT_DTYPE), v_hat, DOT_FP32)
-                pv += _dot(tl.where(sealed, 0.0, p).to(DOT_DTYPE), v_ex, DOT_FP32)
-            else:
-                pv = _dot(p.to(DOT_DTYPE), tl.where(recon[:, None], v_hat, v_ex), DOT_FP32)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
+                                                             max_groups, max_len, PLANES)
+                seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
+                # per (query, key): seen by causality, then read reconstructed (sealed) or exact
+                sealed = seen & (pos[:, None] >= seal[None, :])
+                recon = tl.max(sealed.to(tl.int32), axis=0) > 0  # keys some query reads reconstructed
+                exact = tl.max((seen & ~sealed).to(tl.int32), axis=0) > 0  # keys some query reads exact
+                k_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+                v_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+                if tl.max(recon.to(tl.int32), axis=0) > 0:  # no decode in a block of exact keys
+                    kr, vr = _reconstructed(recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                                            v_scale_ptr, v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3,
+                                            dtype, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+                    k_hat = kr.to(DOT_DTYPE)
+                    v_hat = vr.to(DOT_DTYPE)
+                k_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+                v_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+                if tl.max(exact.to(tl.int32), axis=0) > 0:  # no tail load in a block of sealed keys
+                    ke, ve = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
+                                    stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
+                    k_ex = ke.to(DOT_DTYPE)
+                    v_ex = ve.to(DOT_DTYPE)
+                # a key that some queries read reconstructed and others exact (the tile straddles
+                # its seal) needs both versions in the block's products; otherwise one K and one V
+                both = tl.max((recon & exact).to(tl.int32), axis=0) > 0
+                if both:
+                    s = tl.where(sealed, _dot(q, tl.trans(k_hat), DOT_FP32), _dot(q, tl.trans(k_ex), DOT_FP32))
+                else:
+                    s = _dot(q, tl.trans(tl.where(recon[:, None], k_hat, k_ex)), DOT_FP32)
+                p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
+                                             STORE_SCORES)
+                if both:
+                    pv = _dot(tl.where(sealed, p, 0.0).to(DOT_DTYPE), v_hat, DOT_FP32)
+                    pv += _dot(tl.where(sealed, 0.0, p).to(DOT_DTYPE), v_ex, DOT_FP32)
+                else:
+                    pv = _dot(p.to(DOT_DTYPE), tl.where(recon[:, None], v_hat, v_ex), DOT_FP32)
+                acc = acc * alpha[:, None] + pv
         empty = l_i == 0.0  # a split past the row's position
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -294,10 +331,12 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            group_blocks: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
     combine when split; no host sync (tiles are not checked against the rows: the reference
-    checks them)."""
+    checks them). `group_blocks` False gathers every block key by key (the kernel before
+    dense blocks were read a record at a time: tests and benchmarks compare the two); a
+    block_n over 64 (a block across two records) always does."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
@@ -333,7 +372,8 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
         BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
-        STORE_SCORES=store_scores, enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}),
+        STORE_SCORES=store_scores, GROUP_BLOCKS=group_blocks and block_n <= 64, enable_fp_fusion=False,
+        **({} if num_warps is None else {"num_warps": num_warps}),
         **common,
     )
     if num_splits > 1:
