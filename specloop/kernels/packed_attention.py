@@ -86,9 +86,8 @@ import triton
 import triton.language as tl
 
 from specloop.kernels.packed_keys import (
-    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _group_block,
-    _group_reconstructed, _key_seals, _reconstructed,
-    _storage, _use_triton, row_keys,
+    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _group_dense, _group_loads, _key_seals,
+    _reconstructed, _storage, _use_triton, row_keys,
 )
 from specloop.kernels.paged_attention import TILE_COLUMNS, check_scores, choose_splits
 from specloop.kernels.rounding import round_to
@@ -135,6 +134,60 @@ def _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys, STORE_
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _plane_scores(s, qf, rec, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                  p: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PLANES: tl.constexpr):
+    """s [M, N] plus plane p's share of q . k for keys that are rows `in_group` of record
+    `rec` (scalar; -1: past the depth, s returned as given). K's codes are scaled per
+    channel, k = lo + scale * code, so q . k = (q * scale) . code + q . lo: the scale folds
+    into the query and the codes (0..15, exact in any dtype) go straight to the product,
+    with no per-key dequantization."""
+    if p < PLANES:
+        if rec >= 0:
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            r = rec.to(tl.int64)
+            each = (r * num_kv_heads + kv_head) * HEAD_DIM + d
+            scale = tl.load(k_scale_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
+            lo = tl.load(k_lo_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
+            pair = (r * 32 + in_group // 2) * num_kv_heads + kv_head
+            byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :],
+                           other=0).to(tl.int32)
+            code = ((byte >> (4 * (in_group % 2))[:, None]) & 0xF).to(DOT_DTYPE)
+            qs = (qf * scale[None, :]).to(DOT_DTYPE)
+            s += _dot(qs, tl.trans(code), DOT_FP32) + tl.sum(qf * lo[None, :], axis=1)[:, None]
+    return s
+
+
+@triton.jit
+def _plane_values(acc, pf, rec, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
+                  p: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr):
+    """acc [M, D] plus plane p's share of sum_j p_j v_j for the keys of `_plane_scores`.
+    V's codes are scaled per row and 64 channels, v = lo + scale * code, so each channel
+    group adds (p * scale) . code + p . lo: the scale folds into the probabilities."""
+    if p < PLANES:
+        if rec >= 0:
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            vrow = (rec.to(tl.int64) * 64 + in_group) * num_kv_heads + kv_head
+            byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=d_ok[None, :],
+                           other=0).to(tl.int32)
+            code = ((byte >> (4 * (d % 2))[None, :]) & 0xF).to(DOT_DTYPE)
+            for g in tl.static_range(V_GROUPS):
+                here = (d // 64 == g)[None, :]
+                scale = tl.load(v_scale_ptr + vrow * V_GROUPS + g).to(tl.float32)
+                lo = tl.load(v_lo_ptr + vrow * V_GROUPS + g).to(tl.float32)
+                if V_GROUPS == 1:
+                    part = code
+                else:
+                    part = tl.where(here, code, 0.0).to(DOT_DTYPE)
+                acc += _dot((pf * scale[None, :]).to(DOT_DTYPE), part, DOT_FP32)
+                acc += tl.where(here, tl.sum(pf * lo[None, :], axis=1)[:, None], 0.0)
+    return acc
 
 
 # (score_rows_ptr is the positions array itself in a launch that keeps no scores)
@@ -184,35 +237,67 @@ def _attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # the last key any lane sees: a dense block is checked up to it (`_group_block`)
+        # the lowest position of the tile: a block wholly below it and sealed is read
+        # reconstructed by every lane
         low_pos = tl.min(tl.where(lane_ok, pos, 2147483647), axis=0)
+        # dense key blocks' metadata two blocks ahead (`_group_loads`, `_group_dense`): the
+        # row maps and records of the block after next load while this one runs, and the
+        # next one's seal, so no load in the loop waits on another
+        nxt = lo + BLOCK_N
+        x0, y0, f0, x1, y1, f1, x2, y2, f2, x3, y3, f3 = _group_loads(
+            lo, tl.minimum(nxt, hi) - 1, (lo < hi) & GROUP_BLOCKS, cell, depth, group_tables_ptr, row_maps_ptr,
+            max_groups, max_len, PLANES)
+        dense, seal_b = _group_dense(lo, tl.minimum(nxt, hi) - 1, (lo < hi) & GROUP_BLOCKS, depth, seal_ptr,
+                                     x0, y0, f0, x1, y1, f1, x2, y2, f2, x3, y3, f3)
+        x0, y0, n0, x1, y1, n1, x2, y2, n2, x3, y3, n3 = _group_loads(
+            nxt, tl.minimum(nxt + BLOCK_N, hi) - 1, (nxt < hi) & GROUP_BLOCKS, cell, depth, group_tables_ptr,
+            row_maps_ptr, max_groups, max_len, PLANES)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
             seen = j_ok[None, :] & (j[None, :] <= pos[:, None])
-            dense, seal_b, f0, f1, f2, f3 = _group_block(start, tl.minimum(start + BLOCK_N, hi) - 1, cell, depth,
-                                                         seal_ptr, group_tables_ptr, row_maps_ptr, max_groups,
-                                                         max_len, PLANES)
+            # the next block resolved (its seal loads), the one after loaded
+            nxt = start + BLOCK_N
+            next_dense, next_seal = _group_dense(nxt, tl.minimum(nxt + BLOCK_N, hi) - 1, (nxt < hi) & GROUP_BLOCKS,
+                                                 depth, seal_ptr, x0, y0, n0, x1, y1, n1, x2, y2, n2, x3, y3, n3)
+            after = nxt + BLOCK_N
+            x0, y0, m0, x1, y1, m1, x2, y2, m2, x3, y3, m3 = _group_loads(
+                after, tl.minimum(after + BLOCK_N, hi) - 1, (after < hi) & GROUP_BLOCKS, cell, depth,
+                group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES)
             # every lane that sees the block reads it one way: all reconstructed, or all exact
             all_recon = tl.maximum(low_pos, start) >= seal_b
             all_exact = context - 1 < seal_b
-            if dense & (all_recon | all_exact) & GROUP_BLOCKS:
-                if all_recon:
-                    kr, vr = _group_reconstructed(start % 64 + tl.arange(0, BLOCK_N), kv_head, k_codes_ptr,
-                                                  k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-                                                  num_kv_heads, f0, f1, f2, f3, dtype, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                                  PLANES, V_GROUPS, BF16_BY_HAND)
-                    k1 = kr.to(DOT_DTYPE)  # exact: kr holds DT values
-                    v1 = vr.to(DOT_DTYPE)
+            if dense & (all_recon | all_exact):
+                if all_recon:  # the scales fold into q and p: codes go straight to the products
+                    in_group = start % 64 + tl.arange(0, BLOCK_N)
+                    qf = q.to(tl.float32)
+                    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    s = _plane_scores(s, qf, f0, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                                      0, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
+                    s = _plane_scores(s, qf, f1, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                                      1, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
+                    s = _plane_scores(s, qf, f2, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                                      2, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
+                    s = _plane_scores(s, qf, f3, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                                      3, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
+                    p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
+                                                 STORE_SCORES)
+                    acc = acc * alpha[:, None]
+                    acc = _plane_values(acc, p, f0, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                        num_kv_heads, 0, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
+                    acc = _plane_values(acc, p, f1, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                        num_kv_heads, 1, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
+                    acc = _plane_values(acc, p, f2, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                        num_kv_heads, 2, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
+                    acc = _plane_values(acc, p, f3, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                        num_kv_heads, 3, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
                 else:
                     ke, ve = _exact(j, j_ok, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
                                     stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
-                    k1 = ke.to(DOT_DTYPE)
-                    v1 = ve.to(DOT_DTYPE)
-                s = _dot(q, tl.trans(k1), DOT_FP32)
-                p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
-                                             STORE_SCORES)
-                acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v1, DOT_FP32)
+                    s = _dot(q, tl.trans(ke.to(DOT_DTYPE)), DOT_FP32)
+                    p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
+                                                 STORE_SCORES)
+                    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), ve.to(DOT_DTYPE), DOT_FP32)
             else:
                 r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
                                                              max_groups, max_len, PLANES)
@@ -251,6 +336,8 @@ def _attention_kernel(
                 else:
                     pv = _dot(p.to(DOT_DTYPE), tl.where(recon[:, None], v_hat, v_ex), DOT_FP32)
                 acc = acc * alpha[:, None] + pv
+            dense, seal_b, f0, f1, f2, f3 = next_dense, next_seal, n0, n1, n2, n3
+            n0, n1, n2, n3 = m0, m1, m2, m3
         empty = l_i == 0.0  # a split past the row's position
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]

@@ -252,109 +252,56 @@ def _exact(
 
 
 @triton.jit
-def _plane_group(start, last, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, p: tl.constexpr,
-                 PLANES: tl.constexpr):
-    """(keys start..last are rows start..last of plane p, record of group start // 64 there)
-    for p <= depth, scalars; (True, -1) past the depth or the planes, without a load."""
+def _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+                 p: tl.constexpr, PLANES: tl.constexpr):
+    """Plane p's row maps at keys `start` and `last` and its record of group start // 64,
+    loaded side by side (int32 scalars, -1 past the depth or the planes or not `valid`,
+    without a load): `_group_dense` reads them a block later, so no load waits on another."""
     if p < PLANES:
-        on = depth >= p
+        on = (depth >= p) & valid
         at = (base + p) * max_len
-        ident = ((tl.load(row_maps_ptr + at + start, mask=on, other=-1) == start)
-                 & (tl.load(row_maps_ptr + at + last, mask=on, other=-1) == last))
-        rec = tl.load(group_tables_ptr + (base + p) * max_groups + start // 64, mask=on & ident, other=-1)
-        return ident | (depth < p), rec
+        first_row = tl.load(row_maps_ptr + at + start, mask=on, other=-1)
+        last_row = tl.load(row_maps_ptr + at + last, mask=on, other=-1)
+        rec = tl.load(group_tables_ptr + (base + p) * max_groups + start // 64, mask=on, other=-1)
+        return first_row, last_row, rec
     else:
-        return start >= 0, tl.zeros_like(depth) - 1
+        none = tl.zeros_like(depth) - 1
+        return none, none, none
 
 
 @triton.jit
-def _group_block(start, last, cell, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+def _group_loads(start, last, valid, cell, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
                  PLANES: tl.constexpr):
-    """Whether keys start..last (inside one 64-row span, start..last on it) are read from
-    one record a plane, with those records (c0..c3, scalars, -1 past the depth) and the
-    keys' one seal. Compact rows increase with the position (`planes` appends them in
-    position order), so a plane that maps `start` to row start and `last` to row last maps
-    every key between to its own position: they are rows start % 64.. of group start // 64
-    there. Checked at every plane up to the depth, their deepest row is at the depth, in
-    one record, whose seal is every key's. A few scalar loads a block replace the per-key
-    gathers of `_block_rows` and `_key_seals` (dense False: the caller gathers per key)."""
+    """`_plane_group` of planes 0..3 for the key block start..last (a tuple of 12)."""
     base = cell * PLANES
-    i0, c0 = _plane_group(start, last, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 0, PLANES)
-    i1, c1 = _plane_group(start, last, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 1, PLANES)
-    i2, c2 = _plane_group(start, last, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 2, PLANES)
-    i3, c3 = _plane_group(start, last, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len, 3, PLANES)
-    dense = i0 & i1 & i2 & i3
+    a0, b0, c0 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+                              0, PLANES)
+    a1, b1, c1 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+                              1, PLANES)
+    a2, b2, c2 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+                              2, PLANES)
+    a3, b3, c3 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+                              3, PLANES)
+    return a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3
+
+
+@triton.jit
+def _group_dense(start, last, valid, depth, seal_ptr, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3):
+    """Whether keys start..last (inside one 64-row span) are read from one record a plane,
+    from their `_group_loads`, and (as a load to wait on later) the keys' one seal.
+    Compact rows increase with the position (`planes` appends them in position order), so
+    a plane that maps `start` to row start and `last` to row last maps every key between to
+    its own position: they are rows start % 64.. of group start // 64 there. Checked at
+    every plane up to the depth, their deepest row is at the depth, in one record, whose
+    seal is every key's. A few scalar loads a block replace the per-key gathers of
+    `_block_rows` and `_key_seals` (not dense: the caller gathers per key)."""
+    dense = ((a0 == start) & (b0 == last)) & valid
+    dense &= ((a1 == start) & (b1 == last)) | (depth < 1)
+    dense &= ((a2 == start) & (b2 == last)) | (depth < 2)
+    dense &= ((a3 == start) & (b3 == last)) | (depth < 3)
     deepest = tl.where(depth == 0, c0, tl.where(depth == 1, c1, tl.where(depth == 2, c2, c3)))
     seal = tl.load(seal_ptr + tl.maximum(deepest, 0), mask=dense & (deepest >= 0), other=2147483647)
-    return dense, seal, c0, c1, c2, c3
-
-
-@triton.jit
-def _group_plane_decode(
-    k, v, rec, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-    num_kv_heads, p: tl.constexpr, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-):
-    """`_plane_decode` for a block whose keys are rows `in_group` [BLOCK_N] of one record
-    `rec` (scalar; -1: the plane is past the depth, k and v returned as given): K's scale
-    and minimum load once, [D], and nothing is gathered per key but the codes and V's
-    per-row parameters. Same operations in the same order, so the same bits."""
-    if p < PLANES:
-        if rec >= 0:
-            d = tl.arange(0, BLOCK_D)
-            d_ok = d < HEAD_DIM
-            r = rec.to(tl.int64)
-            pair = (r * 32 + in_group // 2) * num_kv_heads + kv_head
-            byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :],
-                           other=0).to(tl.int32)
-            code = (byte >> (4 * (in_group % 2))[:, None]) & 0xF
-            each = (r * num_kv_heads + kv_head) * HEAD_DIM + d
-            scale = tl.load(k_scale_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
-            lo = tl.load(k_lo_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
-            dk = round_to(lo[None, :] + scale[None, :] * code.to(tl.float32), DTYPE, BF16_BY_HAND)
-            vrow = (r * 64 + in_group) * num_kv_heads + kv_head
-            byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=d_ok[None, :],
-                           other=0).to(tl.int32)
-            code = (byte >> (4 * (d % 2))[None, :]) & 0xF
-            v_scale = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-            v_lo = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-            for g in tl.static_range(V_GROUPS):
-                here = (d // 64 == g)[None, :]
-                v_scale = tl.where(here, tl.load(v_scale_ptr + vrow * V_GROUPS + g).to(tl.float32)[:, None], v_scale)
-                v_lo = tl.where(here, tl.load(v_lo_ptr + vrow * V_GROUPS + g).to(tl.float32)[:, None], v_lo)
-            dv = round_to(v_lo + v_scale * code.to(tl.float32), DTYPE, BF16_BY_HAND)
-            if p == 0:
-                k = tl.where(d_ok[None, :], dk, 0.0)
-                v = tl.where(d_ok[None, :], dv, 0.0)
-            else:
-                k = tl.where(d_ok[None, :], round_to(k + dk, DTYPE, BF16_BY_HAND), k)
-                v = tl.where(d_ok[None, :], round_to(v + dv, DTYPE, BF16_BY_HAND), v)
-    return k, v
-
-
-@triton.jit
-def _group_reconstructed(
-    in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
-    c0, c1, c2, c3, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-):
-    """K and V [BLOCK_N, BLOCK_D] of a dense block (`_group_block`) reconstructed at the
-    depth: `_reconstructed` with one record a plane (c_p, -1 past the depth)."""
-    k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    k, v = _group_plane_decode(k, v, c0, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                               v_scale_ptr, v_lo_ptr, num_kv_heads, 0, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES,
-                               V_GROUPS, BF16_BY_HAND)
-    k, v = _group_plane_decode(k, v, c1, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                               v_scale_ptr, v_lo_ptr, num_kv_heads, 1, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES,
-                               V_GROUPS, BF16_BY_HAND)
-    k, v = _group_plane_decode(k, v, c2, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                               v_scale_ptr, v_lo_ptr, num_kv_heads, 2, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES,
-                               V_GROUPS, BF16_BY_HAND)
-    k, v = _group_plane_decode(k, v, c3, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                               v_scale_ptr, v_lo_ptr, num_kv_heads, 3, DTYPE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES,
-                               V_GROUPS, BF16_BY_HAND)
-    return k, v
+    return dense, seal
 
 
 @triton.jit
