@@ -122,6 +122,7 @@ def main() -> None:
     p.add_argument("--splits", default="engine,64,128")
     p.add_argument("--warps", default="default,8")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--max-registers", default="default", help="ptxas register caps a thread, comma-separated")
     p.add_argument("--group-blocks", default="on,off",
                    help="on: dense blocks read a record a plane (the engine's); off: every key gathered")
     args = p.parse_args()
@@ -166,16 +167,20 @@ def main() -> None:
             for block_n in (int(x) for x in args.block_n.split(",")):
                 for splits_arg in args.splits.split(","):
                     splits = packed_engine_splits if splits_arg == "engine" else int(splits_arg)
-                    for warps_arg, blocks in itertools.product(args.warps.split(","), args.group_blocks.split(",")):
+                    for warps_arg, blocks, regs_arg in itertools.product(
+                            args.warps.split(","), args.group_blocks.split(","), args.max_registers.split(",")):
                         warps = None if warps_arg == "default" else int(warps_arg)
-                        label = f"block_n {block_n}, {splits} splits, warps {warps_arg}, group blocks {blocks}"
+                        regs = None if regs_arg == "default" else int(regs_arg)
+                        label = (f"block_n {block_n}, {splits} splits, warps {warps_arg}, group blocks {blocks}, "
+                                 f"registers {regs_arg}")
                         kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps,
-                              "group_blocks": blocks == "on"}
+                              "group_blocks": blocks == "on", "max_registers": regs}
 
                         def run() -> None:
                             packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
                                                     args.page, case["packed"], cell, depth, position, offset, **kw)
-                        entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "group_blocks": blocks}
+                        entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "group_blocks": blocks,
+                                 "max_registers": regs_arg}
                         try:
                             entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
                                                                       args.page, **kw)
@@ -185,7 +190,7 @@ def main() -> None:
                             print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
                             continue
                         engine = (block_n == ENGINE_BLOCK_N and splits_arg == "engine" and warps is None
-                                  and blocks == "on")
+                                  and blocks == "on" and regs is None)
                         row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
                                                       "engine": engine})
                         print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",

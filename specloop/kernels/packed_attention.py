@@ -31,7 +31,21 @@ denominator) with `return_lse`.
 Kernel: a program per (tile, KV head, split). Its M dimension is (row of the tile, query
 head of the KV head), tile_rows x GQA padded to a power of two >= 16 for `tl.dot`; it runs
 a flash-style online softmax over key blocks of `block_n` keys up to the tile's last
-position. Per block, the row maps and group tables of planes 0..d are gathered once
+position.
+
+The common block, dense and sealed (`_group_loads` / `_group_dense`): when every plane up
+to the depth maps the block's first and last key to their own positions (dense planes:
+no token-sparse prefill or exit there), its keys are consecutive rows of one record a
+plane, with one seal. If every lane that sees the block is past that seal, the block is
+read without reconstructing a key: K's codes are scaled per channel and V's per row and 64
+channels, so sum over planes of q . (lo + scale * code) = (q * scale) . code + q . lo, and
+likewise (p * scale) . code + p . lo for V; the codes (0..15, exact in any dtype) go
+straight into `tl.dot` (`_plane_scores`, `_plane_values`). If every lane is before the
+seal, the block loads its tail slots and runs one QK and one PV. The metadata loads
+(row maps, records, seal) run two blocks ahead, so no load in the loop waits on another.
+
+Any other block (sparse planes, a tile straddling a seal, `group_blocks` False) takes the
+general path: the row maps and group tables of planes 0..d are gathered once
 (`_block_rows`: four planes unrolled, those past P or the depth masked off without a load)
 and serve both the seals and the decode; they give every key's seal (`_key_seals`); per
 (query i, key j) the pair is seen
@@ -55,21 +69,21 @@ each row's partial outputs by their lse, as `paged_attention` does. With `scores
 `score_rows` (STORE_SCORES) a row with a scores row also stores its scaled scores of keys
 0..pos there, as `paged_attention` does, for sparse decode's loop-2 select.
 
-Precision: the gathered K/V tiles hold DT values (fp32 registers in the decode, DT for the
-products); QK and PV run on tensor cores in DT with fp32 accumulation, the probabilities
-rounded to DT for PV (fp32 inputs use IEEE fp32 products). FMA contraction is off for the
+Precision: the general path's gathered K/V tiles hold DT values, the reference's
+reconstruction bit for bit (fp32 registers in the decode, DT for the products); QK and PV
+run on tensor cores in DT with fp32 accumulation, the probabilities rounded to DT for PV
+(fp32 inputs use IEEE fp32 products). The dense sealed block sums the planes unrounded
+(q * scale and p * scale rounded to DT for the product instead of each plane's K and V):
+within the reference's tolerance, not its bits (in fp32 the two differ by reassociation). FMA contraction is off for the
 whole launch (the decode must not fuse; what that costs the softmax is not measured).
 Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the interpreter's bf16
 dot is wrong) and rounding to bf16 is done by hand on the bits (its fp32 -> bf16 cast
 truncates); see ../shared/docs/gpu.md and `int4_groups`.
 
 Not done yet: the M padding to 16 wastes most of a one-row (decode) program's tensor-core
-tile; a straddling block pays two
-QK and two PV products; the decode is latency bound on its dependent per-key gathers
-(7-12x the BF16 kernel's time for one decode row on the H200 with the engine's block_n 32,
-`packed_splits` and default warps, the best of bench/packed_reader_sweep.py's grid), and
-register pressure at M = 64 with four gathered tiles live in a straddling
-block is unmeasured. Not checked on the
+tile; a straddling block pays two QK and two PV products; register pressure at M = 64 with
+four gathered tiles live in a straddling block is unmeasured. Speed: docs/flashloop.md
+("The reader tuned"). Not checked on the
 device (no host sync in `packed_attention_triton`): depth < P, positions < MAXLEN, that a
 key read reconstructed has a plane-0 row and every row it reads a record, and that tiles
 hold at most tile_rows rows of one cell, depth and table offset, each row in at most one
@@ -137,56 +151,63 @@ def _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys, STORE_
 
 
 @triton.jit
-def _plane_scores(s, qf, rec, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
-                  p: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PLANES: tl.constexpr):
-    """s [M, N] plus plane p's share of q . k for keys that are rows `in_group` of record
-    `rec` (scalar; -1: past the depth, s returned as given). K's codes are scaled per
-    channel, k = lo + scale * code, so q . k = (q * scale) . code + q . lo: the scale folds
-    into the query and the codes (0..15, exact in any dtype) go straight to the product,
-    with no per-key dequantization."""
-    if p < PLANES:
-        if rec >= 0:
-            d = tl.arange(0, BLOCK_D)
-            d_ok = d < HEAD_DIM
-            r = rec.to(tl.int64)
-            each = (r * num_kv_heads + kv_head) * HEAD_DIM + d
-            scale = tl.load(k_scale_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
-            lo = tl.load(k_lo_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
-            pair = (r * 32 + in_group // 2) * num_kv_heads + kv_head
-            byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :],
-                           other=0).to(tl.int32)
-            code = ((byte >> (4 * (in_group % 2))[:, None]) & 0xF).to(DOT_DTYPE)
-            qs = (qf * scale[None, :]).to(DOT_DTYPE)
-            s += _dot(qs, tl.trans(code), DOT_FP32) + tl.sum(qf * lo[None, :], axis=1)[:, None]
+def _plane_scores(s, q, rec, row0, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                  DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """s [M, N] plus one plane's share of q . k for keys that are rows row0.. of record
+    `rec` (scalar; -1: none, s returned as given). K's codes are scaled per channel,
+    k = lo + scale * code, so q . k = (q * scale) . code + q . lo: the scale folds into the
+    query and the codes (0..15, exact in any dtype) go straight to the product. A byte holds
+    rows 2i and 2i + 1 of a channel: the even rows' and odd rows' products are interleaved."""
+    if rec >= 0:
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        r = rec.to(tl.int64)
+        each = (r * num_kv_heads + kv_head) * HEAD_DIM + d
+        scale = tl.load(k_scale_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
+        lo = tl.load(k_lo_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
+        pair = (r * 32 + row0 // 2 + tl.arange(0, BLOCK_N // 2)) * num_kv_heads + kv_head
+        byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0).to(tl.int32)
+        qf = q.to(tl.float32)
+        qs = qf * scale[None, :]
+        hi = qs.to(DOT_DTYPE)
+        even_codes = tl.trans((byte & 0xF).to(DOT_DTYPE))
+        odd_codes = tl.trans(((byte >> 4) & 0xF).to(DOT_DTYPE))
+        even = _dot(hi, even_codes, DOT_FP32)
+        odd = _dot(hi, odd_codes, DOT_FP32)
+        if not DOT_FP32:  # q * scale as hi + lo in DT: the scores as exact as fp32 products
+            lo_part = (qs - hi.to(tl.float32)).to(DOT_DTYPE)
+            even += _dot(lo_part, even_codes, DOT_FP32)
+            odd += _dot(lo_part, odd_codes, DOT_FP32)
+        s += tl.interleave(even, odd) + tl.sum(qf * lo[None, :], axis=1)[:, None]
     return s
 
 
 @triton.jit
-def _plane_values(acc, pf, rec, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
-                  p: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr):
-    """acc [M, D] plus plane p's share of sum_j p_j v_j for the keys of `_plane_scores`.
+def _plane_values(acc, pf, rec, row0, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
+                  DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, V_GROUPS: tl.constexpr):
+    """acc [M, D] plus one plane's share of sum_j p_j v_j for the keys of `_plane_scores`.
     V's codes are scaled per row and 64 channels, v = lo + scale * code, so each channel
-    group adds (p * scale) . code + p . lo: the scale folds into the probabilities."""
-    if p < PLANES:
-        if rec >= 0:
-            d = tl.arange(0, BLOCK_D)
-            d_ok = d < HEAD_DIM
-            vrow = (rec.to(tl.int64) * 64 + in_group) * num_kv_heads + kv_head
-            byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + d[None, :] // 2, mask=d_ok[None, :],
-                           other=0).to(tl.int32)
-            code = ((byte >> (4 * (d % 2))[None, :]) & 0xF).to(DOT_DTYPE)
-            for g in tl.static_range(V_GROUPS):
-                here = (d // 64 == g)[None, :]
-                scale = tl.load(v_scale_ptr + vrow * V_GROUPS + g).to(tl.float32)
-                lo = tl.load(v_lo_ptr + vrow * V_GROUPS + g).to(tl.float32)
-                if V_GROUPS == 1:
-                    part = code
-                else:
-                    part = tl.where(here, code, 0.0).to(DOT_DTYPE)
-                acc += _dot((pf * scale[None, :]).to(DOT_DTYPE), part, DOT_FP32)
-                acc += tl.where(here, tl.sum(pf * lo[None, :], axis=1)[:, None], 0.0)
+    group adds (p * scale) . code + p . lo: the scale folds into the probabilities. A byte
+    holds channels 2i and 2i + 1 of a row, interleaved back into channel order."""
+    if rec >= 0:
+        d = tl.arange(0, BLOCK_D)
+        h = tl.arange(0, BLOCK_D // 2)
+        vrow = (rec.to(tl.int64) * 64 + row0 + tl.arange(0, BLOCK_N)) * num_kv_heads + kv_head
+        byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + h[None, :], mask=(h < HEAD_DIM // 2)[None, :],
+                       other=0).to(tl.int32)
+        code = tl.interleave((byte & 0xF).to(DOT_DTYPE), ((byte >> 4) & 0xF).to(DOT_DTYPE))
+        for g in tl.static_range(V_GROUPS):
+            here = (d // 64 == g)[None, :]
+            scale = tl.load(v_scale_ptr + vrow * V_GROUPS + g).to(tl.float32)
+            lo = tl.load(v_lo_ptr + vrow * V_GROUPS + g).to(tl.float32)
+            if V_GROUPS == 1:
+                part = code
+            else:
+                part = tl.where(here, code, 0.0).to(DOT_DTYPE)
+            acc += _dot((pf * scale[None, :]).to(DOT_DTYPE), part, DOT_FP32)
+            acc += tl.where(here, tl.sum(pf * lo[None, :], axis=1)[:, None], 0.0)
     return acc
 
 
@@ -269,28 +290,18 @@ def _attention_kernel(
             all_exact = context - 1 < seal_b
             if dense & (all_recon | all_exact):
                 if all_recon:  # the scales fold into q and p: codes go straight to the products
-                    in_group = start % 64 + tl.arange(0, BLOCK_N)
-                    qf = q.to(tl.float32)
                     s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                    s = _plane_scores(s, qf, f0, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
-                                      0, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
-                    s = _plane_scores(s, qf, f1, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
-                                      1, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
-                    s = _plane_scores(s, qf, f2, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
-                                      2, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
-                    s = _plane_scores(s, qf, f3, in_group, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
-                                      3, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES)
+                    for plane in range(0, depth + 1):  # a loop, not unrolled: one plane's tiles live at a time
+                        rec = tl.where(plane == 0, f0, tl.where(plane == 1, f1, tl.where(plane == 2, f2, f3)))
+                        s = _plane_scores(s, q, rec, start % 64, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+                                          num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N, BLOCK_D)
                     p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
                                                  STORE_SCORES)
                     acc = acc * alpha[:, None]
-                    acc = _plane_values(acc, p, f0, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-                                        num_kv_heads, 0, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
-                    acc = _plane_values(acc, p, f1, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-                                        num_kv_heads, 1, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
-                    acc = _plane_values(acc, p, f2, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-                                        num_kv_heads, 2, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
-                    acc = _plane_values(acc, p, f3, in_group, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-                                        num_kv_heads, 3, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_D, PLANES, V_GROUPS)
+                    for plane in range(0, depth + 1):
+                        rec = tl.where(plane == 0, f0, tl.where(plane == 1, f1, tl.where(plane == 2, f2, f3)))
+                        acc = _plane_values(acc, p, rec, start % 64, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                            num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N, BLOCK_D, V_GROUPS)
                 else:
                     ke, ve = _exact(j, j_ok, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
                                     stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
@@ -418,12 +429,14 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
-                            group_blocks: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            group_blocks: bool = True, max_registers: int | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
     combine when split; no host sync (tiles are not checked against the rows: the reference
     checks them). `group_blocks` False gathers every block key by key (the kernel before
     dense blocks were read a record at a time: tests and benchmarks compare the two); a
-    block_n over 64 (a block across two records) always does."""
+    block_n over 64 (a block across two records) always does. `max_registers` caps the
+    registers a thread (ptxas' maxnreg: more programs a multiprocessor, spills past it)."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
@@ -461,6 +474,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
         STORE_SCORES=store_scores, GROUP_BLOCKS=group_blocks and block_n <= 64, enable_fp_fusion=False,
         **({} if num_warps is None else {"num_warps": num_warps}),
+        **({} if max_registers is None else {"maxnreg": max_registers}),
         **common,
     )
     if num_splits > 1:
