@@ -43,6 +43,7 @@ from specloop.kernels.paged_attention import TILE_COLUMNS, block_g, choose_split
 
 GROUP = 64
 ENGINE_BLOCK_N = 32  # the engine's packed reader launches (specloop/kernels/packed_attention.py)
+ENGINE_GROUP_BLOCKS = "off"  # packed_attention_triton's default
 
 
 def build(batch: int, length: int, planes: int, heads: int, kv_heads: int, dim: int, tail: int, page: int,
@@ -124,7 +125,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--max-registers", default="default", help="ptxas register caps a thread, comma-separated")
     p.add_argument("--group-blocks", default="on,off",
-                   help="on: dense blocks read a record a plane (the engine's); off: every key gathered")
+                   help="on: dense sealed blocks with the scales folded into q and p; off: every key gathered")
     args = p.parse_args()
     planes = 4
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
@@ -190,7 +191,7 @@ def main() -> None:
                             print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
                             continue
                         engine = (block_n == ENGINE_BLOCK_N and splits_arg == "engine" and warps is None
-                                  and blocks == "on" and regs is None)
+                                  and blocks == ENGINE_GROUP_BLOCKS and regs is None)
                         row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
                                                       "engine": engine})
                         print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",

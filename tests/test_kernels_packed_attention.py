@@ -412,13 +412,13 @@ def test_dense_blocks_read_a_record_at_a_time(dtype, block_n, splits):
     probe = [(c, d, pos) for c, d, pos in rows if c == 0 and pos == 149]
     case = _case(5, [150, 100, 80], ["sealed", "sealed", "open"], probe, 4, 2, 32, dtype, keep=1.0, shift=False)
     kw = dict(return_lse=True, block_n=block_n, num_splits=1)
-    clean, _ = packed_attention_triton(*case.args(), **kw)
+    clean, _ = packed_attention_triton(*case.args(), group_blocks=True, **kw)
     j = torch.arange(128, device=DEVICE)
     inside = j[(j % 32 != 0) & (j % 32 != 31)]
     maps = case.packed.row_maps.clone()
     maps[0, :, inside] = -1
     broken = dataclasses.replace(case, packed=dataclasses.replace(case.packed, row_maps=maps))
-    out, _ = packed_attention_triton(*broken.args(), **kw)
+    out, _ = packed_attention_triton(*broken.args(), group_blocks=True, **kw)
     _same(out, clean)
     per_key, _ = packed_attention_triton(*broken.args(), group_blocks=False, **kw)
     assert not torch.equal(per_key, clean)

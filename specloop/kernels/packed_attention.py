@@ -44,7 +44,8 @@ straight into `tl.dot` (`_plane_scores`, `_plane_values`). If every lane is befo
 seal, the block loads its tail slots and runs one QK and one PV. The metadata loads
 (row maps, records, seal) run two blocks ahead, so no load in the loop waits on another.
 
-Any other block (sparse planes, a tile straddling a seal, `group_blocks` False) takes the
+Any other block (sparse planes, a tile straddling a seal; every block without
+`group_blocks`, the engine's default for now) takes the
 general path: the row maps and group tables of planes 0..d are gathered once
 (`_block_rows`: four planes unrolled, those past P or the depth masked off without a load)
 and serve both the seals and the decode; they give every key's seal (`_key_seals`); per
@@ -72,9 +73,11 @@ each row's partial outputs by their lse, as `paged_attention` does. With `scores
 Precision: the general path's gathered K/V tiles hold DT values, the reference's
 reconstruction bit for bit (fp32 registers in the decode, DT for the products); QK and PV
 run on tensor cores in DT with fp32 accumulation, the probabilities rounded to DT for PV
-(fp32 inputs use IEEE fp32 products). The dense sealed block sums the planes unrounded
-(q * scale and p * scale rounded to DT for the product instead of each plane's K and V):
-within the reference's tolerance, not its bits (in fp32 the two differ by reassociation). FMA contraction is off for the
+(fp32 inputs use IEEE fp32 products). The dense sealed block sums the planes unrounded:
+q * scale goes to the product as hi + lo in DT (two products, so the scores are as exact
+as fp32 ones; on the H100 a single DT rounding of it put the lse 6e-3 from the reference,
+past bf16's 1e-3), p * scale rounded to DT as p is. Within the reference's tolerance, not
+its bits (in fp32 the two differ by reassociation). FMA contraction is off for the
 whole launch (the decode must not fuse; what that costs the softmax is not measured).
 Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the interpreter's bf16
 dot is wrong) and rounding to bf16 is done by hand on the bits (its fp32 -> bf16 cast
@@ -429,13 +432,14 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
-                            group_blocks: bool = True, max_registers: int | None = None,
+                            group_blocks: bool = False, max_registers: int | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
     combine when split; no host sync (tiles are not checked against the rows: the reference
-    checks them). `group_blocks` False gathers every block key by key (the kernel before
-    dense blocks were read a record at a time: tests and benchmarks compare the two); a
-    block_n over 64 (a block across two records) always does. `max_registers` caps the
+    checks them). `group_blocks` True reads dense sealed blocks with the scales folded
+    into q and p (opt-in until it is measured faster on the GPU: docs/flashloop.md, "The
+    reader's registers"); False, the engine's, gathers every block key by key; a block_n
+    over 64 (a block across two records) always does. `max_registers` caps the
     registers a thread (ptxas' maxnreg: more programs a multiprocessor, spills past it)."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
