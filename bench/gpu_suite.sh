@@ -13,7 +13,7 @@
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
 # the packed reader's kernel tests and its engine and graph-replay tests only; PART=group-reader the
-# sweep with record-a-plane blocks on and off and register caps (batch 1 and 32); PART=packed-sparse
+# sweep with the folded-scale block path on and off and register caps (batch 1 and 32), then its kernel tests; PART=packed-sparse
 # sparse decode over INT4 planes (kernel tests, no-sync, the matrix's INT4 sparse graph cells,
 # all three's batch-1 8K profile and its batch-1 speed at 8K / 32K with and without block
 # rounds, TAG a suffix of the jsons); PART=sparse-decode
@@ -84,6 +84,7 @@ if [ "$PART" = group-reader ]; then  # the packed reader's record-a-plane blocks
   TAIL=20 step 200 python bench/packed_reader_sweep.py --batch 32 --lengths 8192 --block-n 32,64 --splits engine \
     --warps default,8 --max-registers default,168,128 --group-blocks on,off \
     --out "$OUT/packed_reader_sweep_groups_b32_h200.json"
+  TAIL=6 step 150 python -m pytest -q -rf --tb=short -n 8 -p xdist tests/test_kernels_packed_attention.py
   exit 0
 fi
 if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine, no-sync, graphs, matrix graph cells
