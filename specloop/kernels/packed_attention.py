@@ -103,8 +103,8 @@ import triton
 import triton.language as tl
 
 from specloop.kernels.packed_keys import (
-    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _group_dense, _group_loads, _key_seals,
-    _reconstructed, _storage, _use_triton, row_keys,
+    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _at_plane, _block_rows, _check, _common, _exact, _group_dense,
+    _group_loads, _key_seals, _reconstructed, _storage, _use_triton, row_keys,
 )
 from specloop.kernels.paged_attention import TILE_COLUMNS, check_scores, choose_splits
 from specloop.kernels.rounding import round_to
@@ -295,16 +295,16 @@ def _attention_kernel(
                 if all_recon:  # the scales fold into q and p: codes go straight to the products
                     s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     for plane in range(0, depth + 1):  # a loop, not unrolled: one plane's tiles live at a time
-                        rec = tl.where(plane == 0, f0, tl.where(plane == 1, f1, tl.where(plane == 2, f2, f3)))
-                        s = _plane_scores(s, q, rec, start % 64, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr,
-                                          num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N, BLOCK_D)
+                        s = _plane_scores(s, q, _at_plane(plane, f0, f1, f2, f3), start % 64, kv_head, k_codes_ptr,
+                                          k_scale_ptr, k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N,
+                                          BLOCK_D)
                     p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
                                                  STORE_SCORES)
                     acc = acc * alpha[:, None]
                     for plane in range(0, depth + 1):
-                        rec = tl.where(plane == 0, f0, tl.where(plane == 1, f1, tl.where(plane == 2, f2, f3)))
-                        acc = _plane_values(acc, p, rec, start % 64, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr,
-                                            num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N, BLOCK_D, V_GROUPS)
+                        acc = _plane_values(acc, p, _at_plane(plane, f0, f1, f2, f3), start % 64, kv_head, v_codes_ptr,
+                                            v_scale_ptr, v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N,
+                                            BLOCK_D, V_GROUPS)
                 else:
                     ke, ve = _exact(j, j_ok, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
                                     stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)

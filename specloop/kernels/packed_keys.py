@@ -286,6 +286,12 @@ def _group_loads(start, last, valid, cell, depth, group_tables_ptr, row_maps_ptr
 
 
 @triton.jit
+def _at_plane(p, c0, c1, c2, c3):
+    """c_p of four per-plane scalars, for a plane p known only at run time."""
+    return tl.where(p == 0, c0, tl.where(p == 1, c1, tl.where(p == 2, c2, c3)))
+
+
+@triton.jit
 def _group_dense(start, last, valid, depth, seal_ptr, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3):
     """Whether keys start..last (inside one 64-row span) are read from one record a plane,
     from their `_group_loads`, and (as a load to wait on later) the keys' one seal.
@@ -299,7 +305,7 @@ def _group_dense(start, last, valid, depth, seal_ptr, a0, b0, c0, a1, b1, c1, a2
     dense &= ((a1 == start) & (b1 == last)) | (depth < 1)
     dense &= ((a2 == start) & (b2 == last)) | (depth < 2)
     dense &= ((a3 == start) & (b3 == last)) | (depth < 3)
-    deepest = tl.where(depth == 0, c0, tl.where(depth == 1, c1, tl.where(depth == 2, c2, c3)))
+    deepest = _at_plane(depth, c0, c1, c2, c3)
     seal = tl.load(seal_ptr + tl.maximum(deepest, 0), mask=dense & (deepest >= 0), other=2147483647)
     return dense, seal
 
