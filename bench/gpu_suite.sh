@@ -12,8 +12,8 @@
 # graphs and bench/kv_residual.py's decode (batch 1 at 8K and 32K, 128 x 1K);
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
-# the packed reader's kernel tests and its engine and graph-replay tests only; PART=group-reader the
-# sweep with the folded-scale block path on and off and register caps (batch 1 and 32), then its kernel tests; PART=packed-sparse
+# the packed reader's kernel tests and its engine and graph-replay tests only; PART=sealed-reader its
+# kernel tests, then the sweep with the sealed pass on and off, its warps and chunks (batch 1 and 32); PART=packed-sparse
 # sparse decode over INT4 planes (kernel tests, no-sync, the matrix's INT4 sparse graph cells,
 # all three's batch-1 8K profile and its batch-1 speed at 8K / 32K with and without block
 # rounds, TAG a suffix of the jsons); PART=sparse-decode
@@ -78,13 +78,13 @@ if [ "$PART" = reader-sweep ]; then  # the packed reader alone against the BF16 
     --out "$OUT/packed_reader_sweep_b32_h200.json"
   exit 0
 fi
-if [ "$PART" = group-reader ]; then  # the packed reader's record-a-plane blocks: sweep on/off and register caps
-  TAIL=80 step 300 python bench/packed_reader_sweep.py --block-n 32,64 --splits engine --warps default,8 \
-    --max-registers default,168,128 --group-blocks on --out "$OUT/packed_reader_sweep_groups_h200.json"
-  TAIL=20 step 200 python bench/packed_reader_sweep.py --batch 32 --lengths 8192 --block-n 32,64 --splits engine \
-    --warps default,8 --max-registers default,168,128 --group-blocks on,off \
-    --out "$OUT/packed_reader_sweep_groups_b32_h200.json"
-  TAIL=6 step 150 python -m pytest -q -rf --tb=short -n 8 -p xdist tests/test_kernels_packed_attention.py
+if [ "$PART" = sealed-reader ]; then  # the packed reader's sealed pass: its kernel tests, then on/off sweeps
+  TAIL=8 step 150 python -m pytest -q -rf --tb=short -n 8 -p xdist tests/test_kernels_packed_attention.py
+  TAIL=60 step 200 python bench/packed_reader_sweep.py --depth 0,3 --block-n 32 --splits engine --warps default \
+    --sealed on,off --sealed-warps default,8 --sealed-chunk 32,64 --out "$OUT/packed_reader_sweep_sealed_h200.json"
+  TAIL=30 step 150 python bench/packed_reader_sweep.py --batch 32 --lengths 8192 --depth 0,3 --block-n 32 \
+    --splits engine --warps default --sealed on,off --sealed-warps default,8 --sealed-chunk 32,64 \
+    --out "$OUT/packed_reader_sweep_sealed_b32_h200.json"
   exit 0
 fi
 if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine, no-sync, graphs, matrix graph cells

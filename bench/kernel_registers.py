@@ -4,7 +4,8 @@ No GPU: each launch is compiled (front end to ptxas) for an H100/H200 and not ru
 tests/compile_only.py, then ptxas -v reports the cubin's resources. Registers bound the
 reader's occupancy (bench/results/packed_reader_ncu_d94bad3_h100.json: 255 a thread, two
 programs of 4 warps a multiprocessor), so a change to the kernel can be checked here
-before device time is spent.
+before device time is spent. Both kernels are reported: the sealed pass (`packed_sealed`)
+and the general kernel.
 
     python bench/kernel_registers.py --block-n 32,64 --warps 4,8 --max-registers default,128
     PYTHONPATH=/tmp/triton36/site python bench/kernel_registers.py   # the device's Triton (setup: compile_only.py)
@@ -77,7 +78,8 @@ def main() -> None:
     p.add_argument("--block-n", default="32,64")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--max-registers", default="default")
-    p.add_argument("--group-blocks", default="on,off")
+    p.add_argument("--sealed", default="on,off", help="on: the sealed pass first (packed_sealed), off: the general kernel alone")
+    p.add_argument("--sealed-warps", default="4")
     args = p.parse_args()
     driver.set_active(_NoGPU())
     JITFunction.run = _compile_only
@@ -91,17 +93,21 @@ def main() -> None:
     position = torch.full((b,), length - 1, dtype=torch.int32)
     offset = ((cell * planes + 3) * case["pages_per_plane"]).int()
     print(f"triton {triton.__version__}, ptxas {_ptxas()}", flush=True)
-    for bn, warps, regs, blocks in itertools.product(args.block_n.split(","), args.warps.split(","),
-                                                     args.max_registers.split(","), args.group_blocks.split(",")):
+    for bn, warps, regs, sealed, sealed_warps in itertools.product(
+            args.block_n.split(","), args.warps.split(","), args.max_registers.split(","), args.sealed.split(","),
+            args.sealed_warps.split(",")):
         compiled.clear()
         packed_attention.packed_attention_triton(
             case["q"], case["k_tail"], case["v_tail"], case["tables"], 16, case["packed"], cell, depth, position,
-            offset, block_n=int(bn), num_warps=int(warps), num_splits=2, group_blocks=blocks == "on",
-            max_registers=None if regs == "default" else int(regs))
+            offset, block_n=int(bn), num_warps=int(warps), num_splits=2, sealed=sealed == "on",
+            sealed_warps=int(sealed_warps), max_registers=None if regs == "default" else int(regs))
         for name, kernel in compiled:
             if name == "_attention_kernel":
-                print(f"block_n {bn}, warps {warps}, max registers {regs}, group blocks {blocks}: "
+                print(f"general kernel: block_n {bn}, warps {warps}, max registers {regs}, after sealed {sealed}: "
                       f"shared {kernel.metadata.shared} B; {resources(kernel.asm['ptx'])}", flush=True)
+            elif name == "_sealed_kernel":
+                print(f"sealed pass: warps {sealed_warps}: shared {kernel.metadata.shared} B; "
+                      f"{resources(kernel.asm['ptx'])}", flush=True)
 
 
 if __name__ == "__main__":

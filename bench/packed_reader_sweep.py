@@ -43,7 +43,7 @@ from specloop.kernels.paged_attention import TILE_COLUMNS, block_g, choose_split
 
 GROUP = 64
 ENGINE_BLOCK_N = 32  # the engine's packed reader launches (specloop/kernels/packed_attention.py)
-ENGINE_GROUP_BLOCKS = "off"  # packed_attention_triton's default
+ENGINE_SEALED = ("on", "default", "32")  # packed_attention_triton's defaults: sealed pass, its warps and chunk
 
 
 def build(batch: int, length: int, planes: int, heads: int, kv_heads: int, dim: int, tail: int, page: int,
@@ -124,8 +124,10 @@ def main() -> None:
     p.add_argument("--warps", default="default,8")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--max-registers", default="default", help="ptxas register caps a thread, comma-separated")
-    p.add_argument("--group-blocks", default="on,off",
-                   help="on: dense sealed blocks with the scales folded into q and p; off: every key gathered")
+    p.add_argument("--sealed", default="on,off",
+                   help="on: the sealed pass (packed_sealed) reads dense sealed groups first; off: the general kernel alone")
+    p.add_argument("--sealed-warps", default="default", help="the sealed pass's warps, comma-separated")
+    p.add_argument("--sealed-chunk", default="32", help="channels a sealed score product takes, comma-separated")
     args = p.parse_args()
     planes = 4
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
@@ -168,20 +170,24 @@ def main() -> None:
             for block_n in (int(x) for x in args.block_n.split(",")):
                 for splits_arg in args.splits.split(","):
                     splits = packed_engine_splits if splits_arg == "engine" else int(splits_arg)
-                    for warps_arg, blocks, regs_arg in itertools.product(
-                            args.warps.split(","), args.group_blocks.split(","), args.max_registers.split(",")):
+                    for warps_arg, regs_arg, sealed, sealed_warps, chunk in itertools.product(
+                            args.warps.split(","), args.max_registers.split(","), args.sealed.split(","),
+                            args.sealed_warps.split(","), args.sealed_chunk.split(",")):
+                        if sealed == "off" and (sealed_warps, chunk) != ENGINE_SEALED[1:]:
+                            continue  # (the sealed pass's own knobs mean nothing without it)
                         warps = None if warps_arg == "default" else int(warps_arg)
                         regs = None if regs_arg == "default" else int(regs_arg)
-                        label = (f"block_n {block_n}, {splits} splits, warps {warps_arg}, group blocks {blocks}, "
-                                 f"registers {regs_arg}")
-                        kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps,
-                              "group_blocks": blocks == "on", "max_registers": regs}
+                        label = (f"block_n {block_n}, {splits} splits, warps {warps_arg}, registers {regs_arg}, "
+                                 f"sealed {sealed} (warps {sealed_warps}, chunk {chunk})")
+                        kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps, "max_registers": regs,
+                              "sealed": sealed == "on", "sealed_chunk": int(chunk),
+                              "sealed_warps": None if sealed_warps == "default" else int(sealed_warps)}
 
                         def run() -> None:
                             packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
                                                     args.page, case["packed"], cell, depth, position, offset, **kw)
-                        entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "group_blocks": blocks,
-                                 "max_registers": regs_arg}
+                        entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "max_registers": regs_arg,
+                                 "sealed": sealed, "sealed_warps": sealed_warps, "sealed_chunk": chunk}
                         try:
                             entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
                                                                       args.page, **kw)
@@ -191,7 +197,7 @@ def main() -> None:
                             print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
                             continue
                         engine = (block_n == ENGINE_BLOCK_N and splits_arg == "engine" and warps is None
-                                  and blocks == ENGINE_GROUP_BLOCKS and regs is None)
+                                  and (sealed, sealed_warps, chunk) == ENGINE_SEALED and regs is None)
                         row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
                                                       "engine": engine})
                         print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",

@@ -375,24 +375,25 @@ def _kernel_reads_like_reference(case: Case, dtype: torch.dtype, **kw) -> None:
 
 
 @pytest.mark.parametrize("dtype, block_n, splits", [(torch.float32, 64, 1), (torch.bfloat16, 32, 3)])
-def test_dense_blocks_read_a_record_at_a_time(dtype, block_n, splits):
+def test_sealed_pass_reads_dense_sealed_groups(dtype, block_n, splits):
     """Dense planes (every position a row at every plane, compact rows from 0: the engine's
     planes without token-sparse prefill or exits) with seals below, at and above the rows
-    and NEVER, decode rows and tiles: the kernel reads a block of keys from one record a
-    plane (`_group_dense`), the scales folded into q and p, within the reference's
-    tolerance as the per-key gather (group_blocks False) is. A probe shows the block path
-    is taken: row maps broken inside such blocks (not at their ends, which it checks)
-    change what the per-key gather reads and nothing the block path reads."""
+    and NEVER, decode rows and tiles: the sealed pass (`packed_sealed`) reads the leading
+    dense sealed 64-key groups of each split from the codes, the general kernel the rest,
+    within the reference's tolerance, as the general kernel alone (sealed=False) is. A
+    probe shows the sealed pass is taken: row maps broken inside such groups (not at their
+    last key, which it checks) change what the general kernel reads and nothing the sealed
+    pass reads."""
     rows = [(0, d, pos) for d in range(PLANES) for pos in (149, 130, 70)] + [(1, 3, 99), (1, 0, 64), (2, 2, 79)]
     case = _case(5, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, 32, dtype, keep=1.0, shift=False)
     assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
     kw = dict(return_lse=True, block_n=block_n, num_splits=splits)
     want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
-    for blocks in (True, False):
-        out, lse = packed_attention_triton(*case.args(), group_blocks=blocks, **kw)
+    for sealed in (True, False):
+        out, lse = packed_attention_triton(*case.args(), sealed=sealed, **kw)
         torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
         torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
-    # tiles of rows of one cell and depth: blocks every row reads one way, and straddling ones
+    # tiles of rows of one cell and depth: groups every row reads one way, and straddling ones
     order = sorted(range(len(rows)), key=lambda i: rows[i][:2])
     tiled = dataclasses.replace(case, **{f: getattr(case, f)[order] for f in
                                         ("q", "cell", "depth", "position", "table_offset")})
@@ -403,25 +404,24 @@ def test_dense_blocks_read_a_record_at_a_time(dtype, block_n, splits):
                          dtype=torch.int32, device=DEVICE)
     kw = dict(kw, tiles=tiles, tile_rows=3)
     want, want_lse = packed_attention_reference(*tiled.args(), return_lse=True)
-    for blocks in (True, False):
-        out, lse = packed_attention_triton(*tiled.args(), group_blocks=blocks, **kw)
+    for sealed in (True, False):
+        out, lse = packed_attention_triton(*tiled.args(), sealed=sealed, **kw)
         torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
         torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
-    # the probe, on decode rows (every block one way): break the maps inside whole blocks
-    # below every row's position
+    # the probe, on decode rows: break the maps inside whole groups below every row's position
     probe = [(c, d, pos) for c, d, pos in rows if c == 0 and pos == 149]
     case = _case(5, [150, 100, 80], ["sealed", "sealed", "open"], probe, 4, 2, 32, dtype, keep=1.0, shift=False)
     kw = dict(return_lse=True, block_n=block_n, num_splits=1)
-    clean, _ = packed_attention_triton(*case.args(), group_blocks=True, **kw)
+    clean, _ = packed_attention_triton(*case.args(), **kw)
     j = torch.arange(128, device=DEVICE)
-    inside = j[(j % 32 != 0) & (j % 32 != 31)]
+    inside = j[j % 64 != 63]
     maps = case.packed.row_maps.clone()
     maps[0, :, inside] = -1
     broken = dataclasses.replace(case, packed=dataclasses.replace(case.packed, row_maps=maps))
-    out, _ = packed_attention_triton(*broken.args(), group_blocks=True, **kw)
+    out, _ = packed_attention_triton(*broken.args(), **kw)
     _same(out, clean)
-    per_key, _ = packed_attention_triton(*broken.args(), group_blocks=False, **kw)
-    assert not torch.equal(per_key, clean)
+    general, _ = packed_attention_triton(*broken.args(), sealed=False, **kw)
+    assert not torch.equal(general, clean)
 
 
 def test_packed_splits_split_long_contexts_of_few_programs():

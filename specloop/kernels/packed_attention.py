@@ -102,10 +102,12 @@ import torch
 import triton
 import triton.language as tl
 
+from specloop.kernels import packed_sealed
 from specloop.kernels.packed_keys import (
-    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _at_plane, _block_rows, _check, _common, _exact, _group_dense,
-    _group_loads, _key_seals, _reconstructed, _storage, _use_triton, row_keys,
+    REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _key_seals, _reconstructed,
+    _storage, _use_triton, row_keys,
 )
+from specloop.kernels.packed_steps import _dot, _online, _tile
 from specloop.kernels.paged_attention import TILE_COLUMNS, check_scores, choose_splits
 from specloop.kernels.rounding import round_to
 
@@ -115,119 +117,20 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 # --- Triton ---------------------------------------------------------------------------
 
-@triton.jit
-def _dot(a, b, DOT_FP32: tl.constexpr):
-    if DOT_FP32:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES: tl.constexpr):
-    """(first row, rows, table offset) of tile t; without tiles, tile t is row t."""
-    if HAS_TILES:
-        first = tl.load(tiles_ptr + t * 3).to(tl.int64)
-        rows = tl.load(tiles_ptr + t * 3 + 1).to(tl.int32)
-        table = tl.load(tiles_ptr + t * 3 + 2).to(tl.int64)
-    else:
-        first = t
-        rows = 1
-        table = tl.load(table_offset_ptr + t).to(tl.int64)
-    return first, rows, table
-
-
-@triton.jit
-def _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys, STORE_SCORES: tl.constexpr):
-    """One key block's online-softmax step on raw scores s [M, N]: the probabilities (not
-    yet normalised), the factor the accumulator is rescaled by, and the new max and sum;
-    with STORE_SCORES the scaled scores of the seen keys go to each lane's scores row."""
-    if STORE_SCORES:  # never past a scores row
-        keep = seen & (j < score_keys)[None, :] & score_ok[:, None]
-        tl.store(score_row[:, None] + j[None, :], s * scale, mask=keep)
-    s = tl.where(seen, s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
-def _plane_scores(s, q, rec, row0, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
-                  DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """s [M, N] plus one plane's share of q . k for keys that are rows row0.. of record
-    `rec` (scalar; -1: none, s returned as given). K's codes are scaled per channel,
-    k = lo + scale * code, so q . k = (q * scale) . code + q . lo: the scale folds into the
-    query and the codes (0..15, exact in any dtype) go straight to the product. A byte holds
-    rows 2i and 2i + 1 of a channel: the even rows' and odd rows' products are interleaved."""
-    if rec >= 0:
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        r = rec.to(tl.int64)
-        each = (r * num_kv_heads + kv_head) * HEAD_DIM + d
-        scale = tl.load(k_scale_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
-        lo = tl.load(k_lo_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
-        pair = (r * 32 + row0 // 2 + tl.arange(0, BLOCK_N // 2)) * num_kv_heads + kv_head
-        byte = tl.load(k_codes_ptr + pair[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0).to(tl.int32)
-        qf = q.to(tl.float32)
-        qs = qf * scale[None, :]
-        hi = qs.to(DOT_DTYPE)
-        even_codes = tl.trans((byte & 0xF).to(DOT_DTYPE))
-        odd_codes = tl.trans(((byte >> 4) & 0xF).to(DOT_DTYPE))
-        even = _dot(hi, even_codes, DOT_FP32)
-        odd = _dot(hi, odd_codes, DOT_FP32)
-        if not DOT_FP32:  # q * scale as hi + lo in DT: the scores as exact as fp32 products
-            lo_part = (qs - hi.to(tl.float32)).to(DOT_DTYPE)
-            even += _dot(lo_part, even_codes, DOT_FP32)
-            odd += _dot(lo_part, odd_codes, DOT_FP32)
-        s += tl.interleave(even, odd) + tl.sum(qf * lo[None, :], axis=1)[:, None]
-    return s
-
-
-@triton.jit
-def _plane_values(acc, pf, rec, row0, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
-                  DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, V_GROUPS: tl.constexpr):
-    """acc [M, D] plus one plane's share of sum_j p_j v_j for the keys of `_plane_scores`.
-    V's codes are scaled per row and 64 channels, v = lo + scale * code, so each channel
-    group adds (p * scale) . code + p . lo: the scale folds into the probabilities. A byte
-    holds channels 2i and 2i + 1 of a row, interleaved back into channel order."""
-    if rec >= 0:
-        d = tl.arange(0, BLOCK_D)
-        h = tl.arange(0, BLOCK_D // 2)
-        vrow = (rec.to(tl.int64) * 64 + row0 + tl.arange(0, BLOCK_N)) * num_kv_heads + kv_head
-        byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + h[None, :], mask=(h < HEAD_DIM // 2)[None, :],
-                       other=0).to(tl.int32)
-        code = tl.interleave((byte & 0xF).to(DOT_DTYPE), ((byte >> 4) & 0xF).to(DOT_DTYPE))
-        for g in tl.static_range(V_GROUPS):
-            here = (d // 64 == g)[None, :]
-            scale = tl.load(v_scale_ptr + vrow * V_GROUPS + g).to(tl.float32)
-            lo = tl.load(v_lo_ptr + vrow * V_GROUPS + g).to(tl.float32)
-            if V_GROUPS == 1:
-                part = code
-            else:
-                part = tl.where(here, code, 0.0).to(DOT_DTYPE)
-            acc += _dot((pf * scale[None, :]).to(DOT_DTYPE), part, DOT_FP32)
-            acc += tl.where(here, tl.sum(pf * lo[None, :], axis=1)[:, None], 0.0)
-    return acc
-
-
 # (score_rows_ptr is the positions array itself in a launch that keeps no scores)
 @triton.jit(do_not_specialize=["splits"],
             do_not_specialize_on_alignment=_INDEX_POINTERS + ["scores_ptr", "score_rows_ptr"])
 def _attention_kernel(
     q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
     v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
-    tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, scores_ptr, score_rows_ptr,
+    tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stop_ptr, scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
     stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale, splits,
     PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr,
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
-    STORE_SCORES: tl.constexpr, GROUP_BLOCKS: tl.constexpr,
+    STORE_SCORES: tl.constexpr, AFTER_SEALED: tl.constexpr,
 ):
     first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
     kv_head = tl.program_id(1)
@@ -255,103 +158,59 @@ def _attention_kernel(
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=lane_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
-        chunk = tl.cdiv(tl.cdiv(context, splits), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(context, splits), ALIGN) * ALIGN
         lo = split * chunk
         hi = tl.minimum(context, lo + chunk)
+        slot = split
+        slots = splits
+        if AFTER_SEALED:  # the sealed pass read lo..stop: start there, partials after its own
+            lo = tl.load(stop_ptr + (tl.program_id(0).to(tl.int64) * num_kv_heads + kv_head) * splits + split)
+            slot = splits + split
+            slots = 2 * splits
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # the lowest position of the tile: a block wholly below it and sealed is read
-        # reconstructed by every lane
-        low_pos = tl.min(tl.where(lane_ok, pos, 2147483647), axis=0)
-        # dense key blocks' metadata two blocks ahead (`_group_loads`, `_group_dense`): the
-        # row maps and records of the block after next load while this one runs, and the
-        # next one's seal, so no load in the loop waits on another
-        nxt = lo + BLOCK_N
-        x0, y0, f0, x1, y1, f1, x2, y2, f2, x3, y3, f3 = _group_loads(
-            lo, tl.minimum(nxt, hi) - 1, (lo < hi) & GROUP_BLOCKS, cell, depth, group_tables_ptr, row_maps_ptr,
-            max_groups, max_len, PLANES)
-        dense, seal_b = _group_dense(lo, tl.minimum(nxt, hi) - 1, (lo < hi) & GROUP_BLOCKS, depth, seal_ptr,
-                                     x0, y0, f0, x1, y1, f1, x2, y2, f2, x3, y3, f3)
-        x0, y0, n0, x1, y1, n1, x2, y2, n2, x3, y3, n3 = _group_loads(
-            nxt, tl.minimum(nxt + BLOCK_N, hi) - 1, (nxt < hi) & GROUP_BLOCKS, cell, depth, group_tables_ptr,
-            row_maps_ptr, max_groups, max_len, PLANES)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
             seen = j_ok[None, :] & (j[None, :] <= pos[:, None])
-            # the next block resolved (its seal loads), the one after loaded
-            nxt = start + BLOCK_N
-            next_dense, next_seal = _group_dense(nxt, tl.minimum(nxt + BLOCK_N, hi) - 1, (nxt < hi) & GROUP_BLOCKS,
-                                                 depth, seal_ptr, x0, y0, n0, x1, y1, n1, x2, y2, n2, x3, y3, n3)
-            after = nxt + BLOCK_N
-            x0, y0, m0, x1, y1, m1, x2, y2, m2, x3, y3, m3 = _group_loads(
-                after, tl.minimum(after + BLOCK_N, hi) - 1, (after < hi) & GROUP_BLOCKS, cell, depth,
-                group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES)
-            # every lane that sees the block reads it one way: all reconstructed, or all exact
-            all_recon = tl.maximum(low_pos, start) >= seal_b
-            all_exact = context - 1 < seal_b
-            if dense & (all_recon | all_exact):
-                if all_recon:  # the scales fold into q and p: codes go straight to the products
-                    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                    for plane in range(0, depth + 1):  # a loop, not unrolled: one plane's tiles live at a time
-                        s = _plane_scores(s, q, _at_plane(plane, f0, f1, f2, f3), start % 64, kv_head, k_codes_ptr,
-                                          k_scale_ptr, k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N,
-                                          BLOCK_D)
-                    p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
-                                                 STORE_SCORES)
-                    acc = acc * alpha[:, None]
-                    for plane in range(0, depth + 1):
-                        acc = _plane_values(acc, p, _at_plane(plane, f0, f1, f2, f3), start % 64, kv_head, v_codes_ptr,
-                                            v_scale_ptr, v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, HEAD_DIM, BLOCK_N,
-                                            BLOCK_D, V_GROUPS)
-                else:
-                    ke, ve = _exact(j, j_ok, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
-                                    stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
-                    s = _dot(q, tl.trans(ke.to(DOT_DTYPE)), DOT_FP32)
-                    p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
-                                                 STORE_SCORES)
-                    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), ve.to(DOT_DTYPE), DOT_FP32)
+            r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
+                                                         max_groups, max_len, PLANES)
+            seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
+            # per (query, key): seen by causality, then read reconstructed (sealed) or exact
+            sealed = seen & (pos[:, None] >= seal[None, :])
+            recon = tl.max(sealed.to(tl.int32), axis=0) > 0  # keys some query reads reconstructed
+            exact = tl.max((seen & ~sealed).to(tl.int32), axis=0) > 0  # keys some query reads exact
+            k_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            v_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            if tl.max(recon.to(tl.int32), axis=0) > 0:  # no decode in a block of exact keys
+                kr, vr = _reconstructed(recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                                        v_scale_ptr, v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3,
+                                        dtype, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+                k_hat = kr.to(DOT_DTYPE)
+                v_hat = vr.to(DOT_DTYPE)
+            k_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            v_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
+            if tl.max(exact.to(tl.int32), axis=0) > 0:  # no tail load in a block of sealed keys
+                ke, ve = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
+                                stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
+                k_ex = ke.to(DOT_DTYPE)
+                v_ex = ve.to(DOT_DTYPE)
+            # a key that some queries read reconstructed and others exact (the tile straddles
+            # its seal) needs both versions in the block's products; otherwise one K and one V
+            both = tl.max((recon & exact).to(tl.int32), axis=0) > 0
+            if both:
+                s = tl.where(sealed, _dot(q, tl.trans(k_hat), DOT_FP32), _dot(q, tl.trans(k_ex), DOT_FP32))
             else:
-                r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
-                                                             max_groups, max_len, PLANES)
-                seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
-                # per (query, key): seen by causality, then read reconstructed (sealed) or exact
-                sealed = seen & (pos[:, None] >= seal[None, :])
-                recon = tl.max(sealed.to(tl.int32), axis=0) > 0  # keys some query reads reconstructed
-                exact = tl.max((seen & ~sealed).to(tl.int32), axis=0) > 0  # keys some query reads exact
-                k_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-                v_hat = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-                if tl.max(recon.to(tl.int32), axis=0) > 0:  # no decode in a block of exact keys
-                    kr, vr = _reconstructed(recon, kv_head, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
-                                            v_scale_ptr, v_lo_ptr, num_kv_heads, r0, c0, r1, c1, r2, c2, r3, c3,
-                                            dtype, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
-                    k_hat = kr.to(DOT_DTYPE)
-                    v_hat = vr.to(DOT_DTYPE)
-                k_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-                v_ex = tl.zeros([BLOCK_N, BLOCK_D], DOT_DTYPE)
-                if tl.max(exact.to(tl.int32), axis=0) > 0:  # no tail load in a block of sealed keys
-                    ke, ve = _exact(j, exact, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, stride_ks,
-                                    stride_kh, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, BLOCK_D)
-                    k_ex = ke.to(DOT_DTYPE)
-                    v_ex = ve.to(DOT_DTYPE)
-                # a key that some queries read reconstructed and others exact (the tile straddles
-                # its seal) needs both versions in the block's products; otherwise one K and one V
-                both = tl.max((recon & exact).to(tl.int32), axis=0) > 0
-                if both:
-                    s = tl.where(sealed, _dot(q, tl.trans(k_hat), DOT_FP32), _dot(q, tl.trans(k_ex), DOT_FP32))
-                else:
-                    s = _dot(q, tl.trans(tl.where(recon[:, None], k_hat, k_ex)), DOT_FP32)
-                p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
-                                             STORE_SCORES)
-                if both:
-                    pv = _dot(tl.where(sealed, p, 0.0).to(DOT_DTYPE), v_hat, DOT_FP32)
-                    pv += _dot(tl.where(sealed, 0.0, p).to(DOT_DTYPE), v_ex, DOT_FP32)
-                else:
-                    pv = _dot(p.to(DOT_DTYPE), tl.where(recon[:, None], v_hat, v_ex), DOT_FP32)
-                acc = acc * alpha[:, None] + pv
-            dense, seal_b, f0, f1, f2, f3 = next_dense, next_seal, n0, n1, n2, n3
-            n0, n1, n2, n3 = m0, m1, m2, m3
+                s = _dot(q, tl.trans(tl.where(recon[:, None], k_hat, k_ex)), DOT_FP32)
+            p, alpha, m_i, l_i = _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys,
+                                         STORE_SCORES)
+            if both:
+                pv = _dot(tl.where(sealed, p, 0.0).to(DOT_DTYPE), v_hat, DOT_FP32)
+                pv += _dot(tl.where(sealed, 0.0, p).to(DOT_DTYPE), v_ex, DOT_FP32)
+            else:
+                pv = _dot(p.to(DOT_DTYPE), tl.where(recon[:, None], v_hat, v_ex), DOT_FP32)
+            acc = acc * alpha[:, None] + pv
         empty = l_i == 0.0  # a split past the row's position
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -363,7 +222,7 @@ def _attention_kernel(
             if WRITE_LSE:
                 tl.store(lse_ptr + row * stride_ln + head, lse, mask=lane_ok)
         else:
-            at = (row * num_heads + head) * splits + split
+            at = (row * num_heads + head) * slots + slot
             tl.store(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], o, mask=lane_ok[:, None])
             tl.store(part_lse_ptr + at, lse, mask=lane_ok)
 
@@ -432,15 +291,14 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
-                            group_blocks: bool = False, max_registers: int | None = None,
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`), plus the
-    combine when split; no host sync (tiles are not checked against the rows: the reference
-    checks them). `group_blocks` True reads dense sealed blocks with the scales folded
-    into q and p (opt-in until it is measured faster on the GPU: docs/flashloop.md, "The
-    reader's registers"); False, the engine's, gathers every block key by key; a block_n
-    over 64 (a block across two records) always does. `max_registers` caps the
-    registers a thread (ptxas' maxnreg: more programs a multiprocessor, spills past it)."""
+                            sealed: bool = True, sealed_warps: int | None = None, sealed_chunk: int = 32,
+                            max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`): with
+    `sealed` (and a head dim `packed_sealed.supported` takes) the sealed pass first, then the
+    general kernel from each split's stop key; the combine when split or sealed. No host sync
+    (tiles are not checked against the rows: the reference checks them). `num_warps` and
+    `max_registers` (ptxas' maxnreg) shape the general kernel, `sealed_warps` and
+    `sealed_chunk` (the channels a score product takes at once) the sealed pass."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
@@ -458,34 +316,49 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     common = _common(k_tail, packed, page_size)
     lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
     tiles_arg = tiles if tiles is not None else position  # never read without HAS_TILES
-    part_o = part_lse = out
-    if num_splits > 1:
-        part_o = torch.empty(n * num_heads * num_splits, common["BLOCK_D"], dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(n * num_heads * num_splits, dtype=torch.float32, device=q.device)
+    sealed = sealed and packed_sealed.supported(head_dim)
+    slots = num_splits * (2 if sealed else 1)  # partial outputs a row: the sealed pass's, the general kernel's
+    part_o = part_lse = stop = out
+    if slots > 1:
+        part_o = torch.empty(n * num_heads * slots, common["BLOCK_D"], dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(n * num_heads * slots, dtype=torch.float32, device=q.device)
     lse_stride = lse.stride(0) if lse is not None else 0
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
+    dot_dtype = tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype]
     bg = triton.next_power_of_2(gqa)
+    block_m = max(16, triton.next_power_of_2(tile_rows * bg))
     store_scores = check_scores(scores, score_rows, n, num_heads)
+    scores_arg = scores if store_scores else out
+    score_rows_arg = score_rows if store_scores else position
+    if sealed:
+        stop = torch.empty(num_tiles * num_kv_heads * num_splits, dtype=torch.int32, device=q.device)
+        packed_sealed.sealed_pass(
+            q, _storage(k_tail, v_tail, tables, packed)[3:], rows, tiles_arg, part_o, part_lse, stop, num_tiles,
+            num_splits, tile_rows=tile_rows, has_tiles=tiles is not None, num_kv_heads=num_kv_heads,
+            max_groups=packed.group_tables.shape[2], max_len=packed.row_maps.shape[2], planes=packed.planes,
+            block_m=block_m, block_g=bg, block_d=common["BLOCK_D"], dot_fp32=dot_fp32, dot_dtype=dot_dtype,
+            store_scores=store_scores, scores=scores_arg, score_rows=score_rows_arg, num_warps=sealed_warps,
+            chunk=sealed_chunk)
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse,
+        q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse, stop,
         scores if store_scores else out, score_rows if store_scores else position,
         q.stride(0), q.stride(1), k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1),
         out.stride(0), out.stride(1), lse_stride, scores.stride(0) if store_scores else 0,
         scores.stride(1) if store_scores else 0, scores.shape[2] if store_scores else 0,
         num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5, num_splits,
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
-        BLOCK_M=max(16, triton.next_power_of_2(tile_rows * bg)), BLOCK_N=block_n, SPLIT=num_splits > 1,
-        DOT_FP32=dot_fp32, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype], WRITE_LSE=return_lse,
-        STORE_SCORES=store_scores, GROUP_BLOCKS=group_blocks and block_n <= 64, enable_fp_fusion=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=slots > 1, ALIGN=max(block_n, packed_sealed.GROUP),
+        DOT_FP32=dot_fp32, DOT_DTYPE=dot_dtype, WRITE_LSE=return_lse, STORE_SCORES=store_scores,
+        AFTER_SEALED=sealed, enable_fp_fusion=False,
         **({} if num_warps is None else {"num_warps": num_warps}),
         **({} if max_registers is None else {"maxnreg": max_registers}),
         **common,
     )
-    if num_splits > 1:
+    if slots > 1:
         _combine_kernel[(num_tiles * tile_rows, num_heads)](
             part_o, part_lse, position, tiles_arg, out, lse_arg, out.stride(0), out.stride(1), lse_stride,
-            num_heads, num_splits, HEAD_DIM=head_dim, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=common["BLOCK_D"],
+            num_heads, slots, HEAD_DIM=head_dim, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
+            BLOCK_S=triton.next_power_of_2(slots), BLOCK_D=common["BLOCK_D"],
             BF16_BY_HAND=common["BF16_BY_HAND"], WRITE_LSE=return_lse,
         )
     return out, lse

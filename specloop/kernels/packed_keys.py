@@ -252,65 +252,6 @@ def _exact(
 
 
 @triton.jit
-def _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                 p: tl.constexpr, PLANES: tl.constexpr):
-    """Plane p's row maps at keys `start` and `last` and its record of group start // 64,
-    loaded side by side (int32 scalars, -1 past the depth or the planes or not `valid`,
-    without a load): `_group_dense` reads them a block later, so no load waits on another."""
-    if p < PLANES:
-        on = (depth >= p) & valid
-        at = (base + p) * max_len
-        first_row = tl.load(row_maps_ptr + at + start, mask=on, other=-1)
-        last_row = tl.load(row_maps_ptr + at + last, mask=on, other=-1)
-        rec = tl.load(group_tables_ptr + (base + p) * max_groups + start // 64, mask=on, other=-1)
-        return first_row, last_row, rec
-    else:
-        none = tl.zeros_like(depth) - 1
-        return none, none, none
-
-
-@triton.jit
-def _group_loads(start, last, valid, cell, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                 PLANES: tl.constexpr):
-    """`_plane_group` of planes 0..3 for the key block start..last (a tuple of 12)."""
-    base = cell * PLANES
-    a0, b0, c0 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                              0, PLANES)
-    a1, b1, c1 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                              1, PLANES)
-    a2, b2, c2 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                              2, PLANES)
-    a3, b3, c3 = _plane_group(start, last, valid, base, depth, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                              3, PLANES)
-    return a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3
-
-
-@triton.jit
-def _at_plane(p, c0, c1, c2, c3):
-    """c_p of four per-plane scalars, for a plane p known only at run time."""
-    return tl.where(p == 0, c0, tl.where(p == 1, c1, tl.where(p == 2, c2, c3)))
-
-
-@triton.jit
-def _group_dense(start, last, valid, depth, seal_ptr, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3):
-    """Whether keys start..last (inside one 64-row span) are read from one record a plane,
-    from their `_group_loads`, and (as a load to wait on later) the keys' one seal.
-    Compact rows increase with the position (`planes` appends them in position order), so
-    a plane that maps `start` to row start and `last` to row last maps every key between to
-    its own position: they are rows start % 64.. of group start // 64 there. Checked at
-    every plane up to the depth, their deepest row is at the depth, in one record, whose
-    seal is every key's. A few scalar loads a block replace the per-key gathers of
-    `_block_rows` and `_key_seals` (not dense: the caller gathers per key)."""
-    dense = ((a0 == start) & (b0 == last)) & valid
-    dense &= ((a1 == start) & (b1 == last)) | (depth < 1)
-    dense &= ((a2 == start) & (b2 == last)) | (depth < 2)
-    dense &= ((a3 == start) & (b3 == last)) | (depth < 3)
-    deepest = _at_plane(depth, c0, c1, c2, c3)
-    seal = tl.load(seal_ptr + tl.maximum(deepest, 0), mask=dense & (deepest >= 0), other=2147483647)
-    return dense, seal
-
-
-@triton.jit
 def _key_block(
     j, j_ok, cell, depth, pos, table, kv_head,
     k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
