@@ -33,19 +33,16 @@ head of the KV head), tile_rows x GQA padded to a power of two >= 16 for `tl.dot
 a flash-style online softmax over key blocks of `block_n` keys up to the tile's last
 position.
 
-The common block, dense and sealed (`_group_loads` / `_group_dense`): when every plane up
-to the depth maps the block's first and last key to their own positions (dense planes:
-no token-sparse prefill or exit there), its keys are consecutive rows of one record a
-plane, with one seal. If every lane that sees the block is past that seal, the block is
-read without reconstructing a key: K's codes are scaled per channel and V's per row and 64
-channels, so sum over planes of q . (lo + scale * code) = (q * scale) . code + q . lo, and
-likewise (p * scale) . code + p . lo for V; the codes (0..15, exact in any dtype) go
-straight into `tl.dot` (`_plane_scores`, `_plane_values`). If every lane is before the
-seal, the block loads its tail slots and runs one QK and one PV. The metadata loads
-(row maps, records, seal) run two blocks ahead, so no load in the loop waits on another.
+Two passes. The sealed pass (`packed_sealed`, its own lean kernel) reads each split's
+leading 64-key groups that every plane up to the depth holds densely and every lane of the
+tile reads reconstructed, straight from the INT4 codes with the scales folded into q and p,
+and stores the key where it stopped; it is the common case of a decode step without
+token-sparse prefill. The general kernel (`_attention_kernel`) reads the rest of the split
+from that key on, and the combine merges the two partials of every split by lse. Without
+`sealed` (or for a head dim the sealed pass does not take) the general kernel reads all.
 
-Any other block (sparse planes, a tile straddling a seal; every block without
-`group_blocks`, the engine's default for now) takes the
+The general kernel, a block of `block_n` keys at a time (sparse planes, unsealed groups,
+the BF16 tail, a tile straddling a seal), takes the
 general path: the row maps and group tables of planes 0..d are gathered once
 (`_block_rows`: four planes unrolled, those past P or the depth masked off without a load)
 and serve both the seals and the decode; they give every key's seal (`_key_seals`); per
@@ -73,12 +70,9 @@ each row's partial outputs by their lse, as `paged_attention` does. With `scores
 Precision: the general path's gathered K/V tiles hold DT values, the reference's
 reconstruction bit for bit (fp32 registers in the decode, DT for the products); QK and PV
 run on tensor cores in DT with fp32 accumulation, the probabilities rounded to DT for PV
-(fp32 inputs use IEEE fp32 products). The dense sealed block sums the planes unrounded:
-q * scale goes to the product as hi + lo in DT (two products, so the scores are as exact
-as fp32 ones; on the H100 a single DT rounding of it put the lse 6e-3 from the reference,
-past bf16's 1e-3), p * scale rounded to DT as p is. Within the reference's tolerance, not
-its bits (in fp32 the two differ by reassociation). FMA contraction is off for the
-whole launch (the decode must not fuse; what that costs the softmax is not measured).
+(fp32 inputs use IEEE fp32 products). The sealed pass is within the reference's
+tolerance, not its bits (`packed_sealed`). FMA contraction is off for the general
+kernel's launch (the decode must not fuse; what that costs the softmax is not measured).
 Under `TRITON_INTERPRET=1` tiles are cast to fp32 before `tl.dot` (the interpreter's bf16
 dot is wrong) and rounding to bf16 is done by hand on the bits (its fp32 -> bf16 cast
 truncates); see ../shared/docs/gpu.md and `int4_groups`.
@@ -292,13 +286,15 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
                             sealed: bool = True, sealed_warps: int | None = None, sealed_chunk: int = 32,
+                            sealed_unroll: bool = False,
                             max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`): with
     `sealed` (and a head dim `packed_sealed.supported` takes) the sealed pass first, then the
     general kernel from each split's stop key; the combine when split or sealed. No host sync
     (tiles are not checked against the rows: the reference checks them). `num_warps` and
     `max_registers` (ptxas' maxnreg) shape the general kernel, `sealed_warps` and
-    `sealed_chunk` (the channels a score product takes at once) the sealed pass."""
+    `sealed_chunk` (the channels a score product takes at once) and `sealed_unroll` (planes
+    unrolled, not a loop) the sealed pass."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
@@ -338,7 +334,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
             max_groups=packed.group_tables.shape[2], max_len=packed.row_maps.shape[2], planes=packed.planes,
             block_m=block_m, block_g=bg, block_d=common["BLOCK_D"], dot_fp32=dot_fp32, dot_dtype=dot_dtype,
             store_scores=store_scores, scores=scores_arg, score_rows=score_rows_arg, num_warps=sealed_warps,
-            chunk=sealed_chunk)
+            chunk=sealed_chunk, unroll_planes=sealed_unroll)
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse, stop,
         scores if store_scores else out, score_rows if store_scores else position,

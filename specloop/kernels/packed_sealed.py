@@ -173,12 +173,9 @@ def _plane_values(a0e, a0o, a1e, a1o, p_even, p_odd, rec, kv_head, v_codes_ptr, 
 
 
 @triton.jit
-def _record(base, depth, grp, group_tables_ptr, max_groups, p: tl.constexpr, PLANES: tl.constexpr):
-    """The record of compact group `grp` at plane p (-1 past the depth or the planes)."""
-    if p < PLANES:
-        return tl.load(group_tables_ptr + (base + p) * max_groups + grp, mask=depth >= p, other=-1)
-    else:
-        return tl.zeros_like(depth) - 1
+def _record(base, depth, grp, group_tables_ptr, max_groups, p):
+    """The record of compact group `grp` at plane p (-1 past the depth)."""
+    return tl.load(group_tables_ptr + (base + p) * max_groups + grp, mask=depth >= p, other=-1)
 
 
 @triton.jit
@@ -232,7 +229,7 @@ def _sealed_kernel(
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, GW: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, SCAN_GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BIAS: tl.constexpr, STORE_SCORES: tl.constexpr, CHUNK: tl.constexpr,
+    BIAS: tl.constexpr, STORE_SCORES: tl.constexpr, CHUNK: tl.constexpr, UNROLL_PLANES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     first, rows, table = _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES)
@@ -274,24 +271,20 @@ def _sealed_kernel(
         n = tl.arange(0, _GROUP // 2)
         for start in range(lo, stop, _GROUP):
             grp = start // _GROUP
-            r0 = _record(base, depth, grp, group_tables_ptr, max_groups, 0, PLANES)
-            r1 = _record(base, depth, grp, group_tables_ptr, max_groups, 1, PLANES)
-            r2 = _record(base, depth, grp, group_tables_ptr, max_groups, 2, PLANES)
-            r3 = _record(base, depth, grp, group_tables_ptr, max_groups, 3, PLANES)
             s_even = tl.zeros([BLOCK_M, _GROUP // 2], tl.float32)
             s_odd = tl.zeros([BLOCK_M, _GROUP // 2], tl.float32)
-            s_even, s_odd = _plane_scores(s_even, s_odd, q_at, lane_ok, r0, kv_head, q_ptr, k_codes_ptr, k_scale_ptr,
-                                          k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, BLOCK_D,
-                                          CHUNK)
-            s_even, s_odd = _plane_scores(s_even, s_odd, q_at, lane_ok, r1, kv_head, q_ptr, k_codes_ptr, k_scale_ptr,
-                                          k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, BLOCK_D,
-                                          CHUNK)
-            s_even, s_odd = _plane_scores(s_even, s_odd, q_at, lane_ok, r2, kv_head, q_ptr, k_codes_ptr, k_scale_ptr,
-                                          k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, BLOCK_D,
-                                          CHUNK)
-            s_even, s_odd = _plane_scores(s_even, s_odd, q_at, lane_ok, r3, kv_head, q_ptr, k_codes_ptr, k_scale_ptr,
-                                          k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, BLOCK_D,
-                                          CHUNK)
+            if UNROLL_PLANES:
+                for p in tl.static_range(PLANES):
+                    s_even, s_odd = _plane_scores(
+                        s_even, s_odd, q_at, lane_ok, _record(base, depth, grp, group_tables_ptr, max_groups, p),
+                        kv_head, q_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS,
+                        HEAD_DIM, BLOCK_D, CHUNK)
+            else:
+                for p in range(0, depth + 1):
+                    s_even, s_odd = _plane_scores(
+                        s_even, s_odd, q_at, lane_ok, _record(base, depth, grp, group_tables_ptr, max_groups, p),
+                        kv_head, q_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS,
+                        HEAD_DIM, BLOCK_D, CHUNK)
             j_even = start + 2 * n
             seen_even = j_even[None, :] <= pos[:, None]
             seen_odd = (j_even + 1)[None, :] <= pos[:, None]
@@ -314,14 +307,18 @@ def _sealed_kernel(
             a0o *= alpha[:, None]
             a1e *= alpha[:, None]
             a1o *= alpha[:, None]
-            a0e, a0o, a1e, a1o = _plane_values(a0e, a0o, a1e, a1o, p_even, p_odd, r0, kv_head, v_codes_ptr, v_scale_ptr,
-                                               v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
-            a0e, a0o, a1e, a1o = _plane_values(a0e, a0o, a1e, a1o, p_even, p_odd, r1, kv_head, v_codes_ptr, v_scale_ptr,
-                                               v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
-            a0e, a0o, a1e, a1o = _plane_values(a0e, a0o, a1e, a1o, p_even, p_odd, r2, kv_head, v_codes_ptr, v_scale_ptr,
-                                               v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
-            a0e, a0o, a1e, a1o = _plane_values(a0e, a0o, a1e, a1o, p_even, p_odd, r3, kv_head, v_codes_ptr, v_scale_ptr,
-                                               v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
+            if UNROLL_PLANES:
+                for p in tl.static_range(PLANES):
+                    a0e, a0o, a1e, a1o = _plane_values(
+                        a0e, a0o, a1e, a1o, p_even, p_odd, _record(base, depth, grp, group_tables_ptr, max_groups, p),
+                        kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM,
+                        V_GROUPS, GW)
+            else:
+                for p in range(0, depth + 1):
+                    a0e, a0o, a1e, a1o = _plane_values(
+                        a0e, a0o, a1e, a1o, p_even, p_odd, _record(base, depth, grp, group_tables_ptr, max_groups, p),
+                        kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM,
+                        V_GROUPS, GW)
         empty = l_i == 0.0  # nothing sealed at the split's start (the general kernel reads it)
         l_safe = tl.where(empty, 1.0, l_i)
         at = (row * num_heads + head) * (2 * splits) + split
@@ -336,7 +333,8 @@ def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[
                 num_tiles: int, num_splits: int, *, tile_rows: int, has_tiles: bool, num_kv_heads: int,
                 max_groups: int, max_len: int, planes: int, block_m: int, block_g: int, block_d: int,
                 dot_fp32: bool, dot_dtype, store_scores: bool, scores: torch.Tensor, score_rows: torch.Tensor,
-                num_warps: int | None = None, chunk: int = 32) -> None:
+                num_warps: int | None = None, chunk: int = 32,
+                unroll_planes: bool = False) -> None:
     """Launch the sealed pass over (tiles, KV heads, splits): partials in slots 0..splits-1
     of each row's 2 x splits, each program's stop key in `stop` [tiles * Hkv * splits]
     (packed_attention_triton prepares the arguments)."""
@@ -352,5 +350,6 @@ def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[
         num_splits, GQA=num_heads // num_kv_heads, BLOCK_G=block_g, TILE_ROWS=tile_rows, HAS_TILES=has_tiles,
         HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP), GW=channel_group(head_dim),
         BLOCK_M=block_m, BLOCK_D=block_d, SCAN_GROUPS=SCAN, DOT_FP32=dot_fp32, DOT_DTYPE=dot_dtype, BIAS=bias,
-        STORE_SCORES=store_scores, CHUNK=min(chunk, block_d), **({} if num_warps is None else {"num_warps": num_warps}),
+        STORE_SCORES=store_scores, CHUNK=min(chunk, block_d), UNROLL_PLANES=unroll_planes,
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )
