@@ -81,11 +81,11 @@ fi
 if [ "$PART" = sealed-reader ]; then  # the packed reader's sealed pass: its kernel tests, then on/off sweeps
   TAIL=8 step 150 python -m pytest -q -rf --tb=short -n 8 -p xdist tests/test_kernels_packed_attention.py
   TAIL=60 step 200 python bench/packed_reader_sweep.py --depth 0,3 --block-n 32 --splits engine --warps default \
-    --sealed on,off --sealed-warps default,8 --sealed-chunk 32,64 --sealed-planes loop,unroll \
-    --out "$OUT/packed_reader_sweep_sealed_h200.json"
+    --sealed on,off --sealed-warps ${SEALED_WARPS:-default} --sealed-chunk 32,64 \
+    --out "$OUT/packed_reader_sweep_sealed${TAG:-}_h200.json"
   TAIL=30 step 150 python bench/packed_reader_sweep.py --batch 32 --lengths 8192 --depth 0,3 --block-n 32 \
-    --splits engine --warps default --sealed on,off --sealed-warps default,8 --sealed-chunk 32,64 \
-    --sealed-planes loop,unroll --out "$OUT/packed_reader_sweep_sealed_b32_h200.json"
+    --splits engine --warps default --sealed on,off --sealed-warps ${SEALED_WARPS:-default} --sealed-chunk 32,64 \
+    --out "$OUT/packed_reader_sweep_sealed${TAG:-}_b32_h200.json"
   exit 0
 fi
 if [ "$PART" = sparse-decode ]; then  # sparse decode attention: kernels, engine, no-sync, graphs, matrix graph cells

@@ -81,7 +81,6 @@ def main() -> None:
     p.add_argument("--sealed", default="on,off", help="on: the sealed pass first (packed_sealed), off: the general kernel alone")
     p.add_argument("--sealed-warps", default="4")
     p.add_argument("--sealed-chunk", default="32")
-    p.add_argument("--sealed-planes", default="loop,unroll")
     args = p.parse_args()
     driver.set_active(_NoGPU())
     JITFunction.run = _compile_only
@@ -95,20 +94,20 @@ def main() -> None:
     position = torch.full((b,), length - 1, dtype=torch.int32)
     offset = ((cell * planes + 3) * case["pages_per_plane"]).int()
     print(f"triton {triton.__version__}, ptxas {_ptxas()}", flush=True)
-    for bn, warps, regs, sealed, sealed_warps, chunk, planes in itertools.product(
+    for bn, warps, regs, sealed, sealed_warps, chunk in itertools.product(
             args.block_n.split(","), args.warps.split(","), args.max_registers.split(","), args.sealed.split(","),
-            args.sealed_warps.split(","), args.sealed_chunk.split(","), args.sealed_planes.split(",")):
+            args.sealed_warps.split(","), args.sealed_chunk.split(",")):
         compiled.clear()
         packed_attention.packed_attention_triton(
             case["q"], case["k_tail"], case["v_tail"], case["tables"], 16, case["packed"], cell, depth, position,
             offset, block_n=int(bn), num_warps=int(warps), num_splits=2, sealed=sealed == "on",
-            sealed_warps=int(sealed_warps), sealed_chunk=int(chunk), sealed_unroll=planes == "unroll", max_registers=None if regs == "default" else int(regs))
+            sealed_warps=int(sealed_warps), sealed_chunk=int(chunk), max_registers=None if regs == "default" else int(regs))
         for name, kernel in compiled:
             if name == "_attention_kernel":
                 print(f"general kernel: block_n {bn}, warps {warps}, max registers {regs}, after sealed {sealed}: "
                       f"shared {kernel.metadata.shared} B; {resources(kernel.asm['ptx'])}", flush=True)
             elif name == "_sealed_kernel":
-                print(f"sealed pass: warps {sealed_warps}, chunk {chunk}, planes {planes}: shared {kernel.metadata.shared} B; "
+                print(f"sealed pass: warps {sealed_warps}, chunk {chunk}: shared {kernel.metadata.shared} B; "
                       f"{resources(kernel.asm['ptx'])}", flush=True)
 
 

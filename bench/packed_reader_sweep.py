@@ -43,7 +43,7 @@ from specloop.kernels.paged_attention import TILE_COLUMNS, block_g, choose_split
 
 GROUP = 64
 ENGINE_BLOCK_N = 32  # the engine's packed reader launches (specloop/kernels/packed_attention.py)
-ENGINE_SEALED = ("on", "default", "32", "loop")  # packed_attention_triton's defaults: sealed pass, warps, chunk, planes
+ENGINE_SEALED = ("on", "default", "32")  # packed_attention_triton's defaults: sealed pass, its warps and chunk
 
 
 def build(batch: int, length: int, planes: int, heads: int, kv_heads: int, dim: int, tail: int, page: int,
@@ -128,7 +128,6 @@ def main() -> None:
                    help="on: the sealed pass (packed_sealed) reads dense sealed groups first; off: the general kernel alone")
     p.add_argument("--sealed-warps", default="default", help="the sealed pass's warps, comma-separated")
     p.add_argument("--sealed-chunk", default="32", help="channels a sealed score product takes, comma-separated")
-    p.add_argument("--sealed-planes", default="loop", help="loop (a loop over the planes) or unroll, comma-separated")
     args = p.parse_args()
     planes = 4
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
@@ -171,25 +170,24 @@ def main() -> None:
             for block_n in (int(x) for x in args.block_n.split(",")):
                 for splits_arg in args.splits.split(","):
                     splits = packed_engine_splits if splits_arg == "engine" else int(splits_arg)
-                    for warps_arg, regs_arg, sealed, sealed_warps, chunk, planes_arg in itertools.product(
+                    for warps_arg, regs_arg, sealed, sealed_warps, chunk in itertools.product(
                             args.warps.split(","), args.max_registers.split(","), args.sealed.split(","),
-                            args.sealed_warps.split(","), args.sealed_chunk.split(","), args.sealed_planes.split(",")):
-                        if sealed == "off" and (sealed_warps, chunk, planes_arg) != ENGINE_SEALED[1:]:
+                            args.sealed_warps.split(","), args.sealed_chunk.split(",")):
+                        if sealed == "off" and (sealed_warps, chunk) != ENGINE_SEALED[1:]:
                             continue  # (the sealed pass's own knobs mean nothing without it)
                         warps = None if warps_arg == "default" else int(warps_arg)
                         regs = None if regs_arg == "default" else int(regs_arg)
                         label = (f"block_n {block_n}, {splits} splits, warps {warps_arg}, registers {regs_arg}, "
-                                 f"sealed {sealed} (warps {sealed_warps}, chunk {chunk}, planes {planes_arg})")
+                                 f"sealed {sealed} (warps {sealed_warps}, chunk {chunk})")
                         kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps, "max_registers": regs,
-                              "sealed": sealed == "on", "sealed_chunk": int(chunk), "sealed_unroll": planes_arg == "unroll",
+                              "sealed": sealed == "on", "sealed_chunk": int(chunk),
                               "sealed_warps": None if sealed_warps == "default" else int(sealed_warps)}
 
                         def run() -> None:
                             packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
                                                     args.page, case["packed"], cell, depth, position, offset, **kw)
                         entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "max_registers": regs_arg,
-                                 "sealed": sealed, "sealed_warps": sealed_warps, "sealed_chunk": chunk,
-                                 "sealed_planes": planes_arg}
+                                 "sealed": sealed, "sealed_warps": sealed_warps, "sealed_chunk": chunk}
                         try:
                             entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
                                                                       args.page, **kw)
@@ -199,8 +197,7 @@ def main() -> None:
                             print(f"  {label}: {type(exc).__name__}", file=sys.stderr, flush=True)
                             continue
                         engine = (block_n == ENGINE_BLOCK_N and splits_arg == "engine" and warps is None
-                                  and (sealed, sealed_warps, chunk, planes_arg) == ENGINE_SEALED
-                                  and regs is None)
+                                  and (sealed, sealed_warps, chunk) == ENGINE_SEALED and regs is None)
                         row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
                                                       "engine": engine})
                         print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",

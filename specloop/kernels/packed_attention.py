@@ -286,15 +286,13 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
                             sealed: bool = True, sealed_warps: int | None = None, sealed_chunk: int = 32,
-                            sealed_unroll: bool = False,
                             max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`): with
     `sealed` (and a head dim `packed_sealed.supported` takes) the sealed pass first, then the
     general kernel from each split's stop key; the combine when split or sealed. No host sync
     (tiles are not checked against the rows: the reference checks them). `num_warps` and
     `max_registers` (ptxas' maxnreg) shape the general kernel, `sealed_warps` and
-    `sealed_chunk` (the channels a score product takes at once) and `sealed_unroll` (planes
-    unrolled, not a loop) the sealed pass."""
+    `sealed_chunk` (the channels a score product takes at once) the sealed pass."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
@@ -334,7 +332,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
             max_groups=packed.group_tables.shape[2], max_len=packed.row_maps.shape[2], planes=packed.planes,
             block_m=block_m, block_g=bg, block_d=common["BLOCK_D"], dot_fp32=dot_fp32, dot_dtype=dot_dtype,
             store_scores=store_scores, scores=scores_arg, score_rows=score_rows_arg, num_warps=sealed_warps,
-            chunk=sealed_chunk, unroll_planes=sealed_unroll)
+            chunk=sealed_chunk)
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse, stop,
         scores if store_scores else out, score_rows if store_scores else position,

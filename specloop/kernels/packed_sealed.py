@@ -88,18 +88,19 @@ def _nibbles(byte, DOT_DTYPE: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _plane_scores(s_even, s_odd, q_at, lane_ok, rec, kv_head, q_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+def _plane_scores(s_even, s_odd, t, q_at, lane_ok, rec, kv_head, q_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
                   num_kv_heads, DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, BIAS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
     """One plane's share of the scores [M, 32] of the group's even and odd rows, record
     `rec` (-1: no plane here, the scores returned as given), CHUNK channels at a time: a
     product's left operand (q * scale, [M, channels]) is held whole by every warp, so whole
     head dims took 255 registers a thread (q's rows at q_at [M] are loaded a chunk at a time,
-    from L1, rather than kept)."""
+    from L1, rather than kept). The terms every key shares (q . lo, the bias) go into t
+    [M, CHUNK], summed once a group by the caller: a sum across a warp's lanes costs
+    shuffles and a barrier, so none is paid per chunk or plane."""
     if rec >= 0:
         r = rec.to(tl.int64)
         pair = (r * (_GROUP // 2) + tl.arange(0, _GROUP // 2)) * num_kv_heads + kv_head
-        base = tl.zeros_like(tl.sum(s_even, axis=1))
         for c0 in tl.static_range(0, BLOCK_D, CHUNK):
             d = c0 + tl.arange(0, CHUNK)
             d_ok = d < HEAD_DIM
@@ -114,7 +115,7 @@ def _plane_scores(s_even, s_odd, q_at, lane_ok, rec, kv_head, q_ptr, k_codes_ptr
                         other=0.0).to(tl.float32)
             qs = q * scale[None, :]
             hi = qs.to(DOT_DTYPE)
-            base += tl.sum(q * lo[None, :], axis=1)
+            t += q * lo[None, :]
             s_even += _dot(hi, even, DOT_FP32)
             s_odd += _dot(hi, odd, DOT_FP32)
             if not DOT_FP32:  # q * scale as hi + lo in DT
@@ -122,18 +123,18 @@ def _plane_scores(s_even, s_odd, q_at, lane_ok, rec, kv_head, q_ptr, k_codes_ptr
                 s_even += _dot(rest, even, DOT_FP32)
                 s_odd += _dot(rest, odd, DOT_FP32)
                 if BIAS != 0:
-                    base -= BIAS * tl.sum(hi.to(tl.float32) + rest.to(tl.float32), axis=1)
-        s_even += base[:, None]
-        s_odd += base[:, None]
-    return s_even, s_odd
+                    t -= BIAS * (hi.to(tl.float32) + rest.to(tl.float32))
+    return s_even, s_odd, t
 
 
 @triton.jit
-def _group_values(acc_even, acc_odd, p, vrow, g: tl.constexpr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+def _group_values(acc_even, acc_odd, u, p, vrow, g: tl.constexpr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
                   DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   V_GROUPS: tl.constexpr, GW: tl.constexpr):
     """Channel group g's share of sum_j p_j v_j for V rows `vrow` [32] (p [M, 32] fp32):
-    its even channels into acc_even, its odd ones into acc_odd ([M, GW / 2] each)."""
+    its even channels into acc_even, its odd ones into acc_odd ([M, GW / 2] each); the
+    terms every channel of the group shares (p . lo, the bias) into u [M, 32], summed once a
+    group by the caller."""
     c = tl.arange(0, GW // 2)
     c_ok = g * GW + 2 * c < HEAD_DIM
     byte = tl.load(v_codes_ptr + vrow[:, None] * (HEAD_DIM // 2) + (g * GW // 2 + c)[None, :], mask=c_ok[None, :],
@@ -142,34 +143,34 @@ def _group_values(acc_even, acc_odd, p, vrow, g: tl.constexpr, v_codes_ptr, v_sc
     scale = tl.load(v_scale_ptr + vrow * V_GROUPS + g).to(tl.float32)
     lo = tl.load(v_lo_ptr + vrow * V_GROUPS + g).to(tl.float32)
     ps = (p * scale[None, :]).to(DOT_DTYPE)
-    base = tl.sum(p * lo[None, :], axis=1)
+    u += p * lo[None, :]
     if BIAS != 0:
-        base -= BIAS * tl.sum(ps.to(tl.float32), axis=1)
-    acc_even += _dot(ps, low, DOT_FP32) + base[:, None]
-    acc_odd += _dot(ps, high, DOT_FP32) + base[:, None]
-    return acc_even, acc_odd
+        u -= BIAS * ps.to(tl.float32)
+    acc_even += _dot(ps, low, DOT_FP32)
+    acc_odd += _dot(ps, high, DOT_FP32)
+    return acc_even, acc_odd, u
 
 
 @triton.jit
-def _plane_values(a0e, a0o, a1e, a1o, p_even, p_odd, rec, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
+def _plane_values(a0e, a0o, a1e, a1o, u0, u1, p_even, p_odd, rec, kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
                   DOT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   V_GROUPS: tl.constexpr, GW: tl.constexpr):
     """One plane's share of the output (record `rec`, -1: none) in the four accumulators
-    (channel group 0 / 1, even / odd channels)."""
+    (channel group 0 / 1, even / odd channels) and the shared terms of each group (u0, u1)."""
     if rec >= 0:
         n = tl.arange(0, _GROUP // 2)
         even_rows = (rec.to(tl.int64) * _GROUP + 2 * n) * num_kv_heads + kv_head
         odd_rows = even_rows + num_kv_heads
-        a0e, a0o = _group_values(a0e, a0o, p_even, even_rows, 0, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
+        a0e, a0o, u0 = _group_values(a0e, a0o, u0, p_even, even_rows, 0, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
                                  DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
-        a0e, a0o = _group_values(a0e, a0o, p_odd, odd_rows, 0, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
+        a0e, a0o, u0 = _group_values(a0e, a0o, u0, p_odd, odd_rows, 0, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
                                  DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
         if V_GROUPS > 1:
-            a1e, a1o = _group_values(a1e, a1o, p_even, even_rows, 1, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
+            a1e, a1o, u1 = _group_values(a1e, a1o, u1, p_even, even_rows, 1, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
                                      DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
-            a1e, a1o = _group_values(a1e, a1o, p_odd, odd_rows, 1, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
+            a1e, a1o, u1 = _group_values(a1e, a1o, u1, p_odd, odd_rows, 1, v_codes_ptr, v_scale_ptr, v_lo_ptr, DOT_DTYPE,
                                      DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
-    return a0e, a0o, a1e, a1o
+    return a0e, a0o, a1e, a1o, u0, u1
 
 
 @triton.jit
@@ -229,7 +230,7 @@ def _sealed_kernel(
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, GW: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, SCAN_GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BIAS: tl.constexpr, STORE_SCORES: tl.constexpr, CHUNK: tl.constexpr, UNROLL_PLANES: tl.constexpr,
+    BIAS: tl.constexpr, STORE_SCORES: tl.constexpr, CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     first, rows, table = _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES)
@@ -273,18 +274,17 @@ def _sealed_kernel(
             grp = start // _GROUP
             s_even = tl.zeros([BLOCK_M, _GROUP // 2], tl.float32)
             s_odd = tl.zeros([BLOCK_M, _GROUP // 2], tl.float32)
-            if UNROLL_PLANES:
-                for p in tl.static_range(PLANES):
-                    s_even, s_odd = _plane_scores(
-                        s_even, s_odd, q_at, lane_ok, _record(base, depth, grp, group_tables_ptr, max_groups, p),
-                        kv_head, q_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS,
-                        HEAD_DIM, BLOCK_D, CHUNK)
-            else:
-                for p in range(0, depth + 1):
-                    s_even, s_odd = _plane_scores(
-                        s_even, s_odd, q_at, lane_ok, _record(base, depth, grp, group_tables_ptr, max_groups, p),
-                        kv_head, q_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS,
-                        HEAD_DIM, BLOCK_D, CHUNK)
+            k_terms = tl.zeros([BLOCK_M, CHUNK], tl.float32)
+            # planes as a loop, not unrolled: unrolled, one plane's tiles and the next's were
+            # live at once (255 registers and spills, against 168) and it ran 1.1-1.9x slower
+            for p in range(0, depth + 1):
+                s_even, s_odd, k_terms = _plane_scores(
+                    s_even, s_odd, k_terms, q_at, lane_ok, _record(base, depth, grp, group_tables_ptr, max_groups, p),
+                    kv_head, q_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS,
+                    HEAD_DIM, BLOCK_D, CHUNK)
+            shared = tl.sum(k_terms, axis=1)[:, None]
+            s_even += shared
+            s_odd += shared
             j_even = start + 2 * n
             seen_even = j_even[None, :] <= pos[:, None]
             seen_odd = (j_even + 1)[None, :] <= pos[:, None]
@@ -307,18 +307,20 @@ def _sealed_kernel(
             a0o *= alpha[:, None]
             a1e *= alpha[:, None]
             a1o *= alpha[:, None]
-            if UNROLL_PLANES:
-                for p in tl.static_range(PLANES):
-                    a0e, a0o, a1e, a1o = _plane_values(
-                        a0e, a0o, a1e, a1o, p_even, p_odd, _record(base, depth, grp, group_tables_ptr, max_groups, p),
-                        kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM,
-                        V_GROUPS, GW)
-            else:
-                for p in range(0, depth + 1):
-                    a0e, a0o, a1e, a1o = _plane_values(
-                        a0e, a0o, a1e, a1o, p_even, p_odd, _record(base, depth, grp, group_tables_ptr, max_groups, p),
-                        kv_head, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM,
-                        V_GROUPS, GW)
+            u0 = tl.zeros([BLOCK_M, _GROUP // 2], tl.float32)
+            u1 = tl.zeros([BLOCK_M, _GROUP // 2], tl.float32)
+            for p in range(0, depth + 1):
+                a0e, a0o, a1e, a1o, u0, u1 = _plane_values(
+                    a0e, a0o, a1e, a1o, u0, u1, p_even, p_odd,
+                    _record(base, depth, grp, group_tables_ptr, max_groups, p), kv_head, v_codes_ptr, v_scale_ptr,
+                    v_lo_ptr, num_kv_heads, DOT_DTYPE, DOT_FP32, BIAS, HEAD_DIM, V_GROUPS, GW)
+            shared = tl.sum(u0, axis=1)[:, None]
+            a0e += shared
+            a0o += shared
+            if V_GROUPS > 1:
+                shared = tl.sum(u1, axis=1)[:, None]
+                a1e += shared
+                a1o += shared
         empty = l_i == 0.0  # nothing sealed at the split's start (the general kernel reads it)
         l_safe = tl.where(empty, 1.0, l_i)
         at = (row * num_heads + head) * (2 * splits) + split
@@ -333,8 +335,7 @@ def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[
                 num_tiles: int, num_splits: int, *, tile_rows: int, has_tiles: bool, num_kv_heads: int,
                 max_groups: int, max_len: int, planes: int, block_m: int, block_g: int, block_d: int,
                 dot_fp32: bool, dot_dtype, store_scores: bool, scores: torch.Tensor, score_rows: torch.Tensor,
-                num_warps: int | None = None, chunk: int = 32,
-                unroll_planes: bool = False) -> None:
+                num_warps: int | None = None, chunk: int = 32) -> None:
     """Launch the sealed pass over (tiles, KV heads, splits): partials in slots 0..splits-1
     of each row's 2 x splits, each program's stop key in `stop` [tiles * Hkv * splits]
     (packed_attention_triton prepares the arguments)."""
@@ -350,6 +351,6 @@ def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[
         num_splits, GQA=num_heads // num_kv_heads, BLOCK_G=block_g, TILE_ROWS=tile_rows, HAS_TILES=has_tiles,
         HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP), GW=channel_group(head_dim),
         BLOCK_M=block_m, BLOCK_D=block_d, SCAN_GROUPS=SCAN, DOT_FP32=dot_fp32, DOT_DTYPE=dot_dtype, BIAS=bias,
-        STORE_SCORES=store_scores, CHUNK=min(chunk, block_d), UNROLL_PLANES=unroll_planes,
+        STORE_SCORES=store_scores, CHUNK=min(chunk, block_d),
         **({} if num_warps is None else {"num_warps": num_warps}),
     )
