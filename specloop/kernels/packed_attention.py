@@ -101,7 +101,7 @@ from specloop.kernels.packed_keys import (
     REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _key_seals, _reconstructed,
     _storage, _use_triton, row_keys,
 )
-from specloop.kernels.packed_steps import _dot, _online, _tile
+from specloop.kernels.packed_steps import _dot, _lanes, _online, _score_rows
 from specloop.kernels.paged_attention import TILE_COLUMNS, check_scores, choose_splits
 from specloop.kernels.rounding import round_to
 
@@ -126,24 +126,14 @@ def _attention_kernel(
     DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
     STORE_SCORES: tl.constexpr, AFTER_SEALED: tl.constexpr,
 ):
-    first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
+    # M: (row of the tile, query head of the KV head); lanes past the tile's rows are padding
+    first, rows, table, r, g, row, pos, lane_ok, context = _lanes(
+        tiles_ptr, table_offset_ptr, position_ptr, HAS_TILES, GQA, BLOCK_G, BLOCK_M, TILE_ROWS)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # M: (row of the tile, query head of the KV head); lanes past the tile's rows are padding
-    i = tl.arange(0, BLOCK_M)
-    r = i // BLOCK_G
-    g = i % BLOCK_G
-    row = first + r
-    pos = tl.load(position_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int32)
-    lane_ok = (pos >= 0) & (g < GQA)
-    context = tl.max(pos, axis=0) + 1
     if context > 0:
-        score_row = scores_ptr  # (placeholders: read only with STORE_SCORES)
-        score_ok = lane_ok
-        if STORE_SCORES:  # each row's scores row, -1 for none
-            score_at = tl.load(score_rows_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int64)
-            score_row = scores_ptr + score_at * stride_sr + (kv_head * GQA + g) * stride_sh
-            score_ok = lane_ok & (score_at >= 0)
+        score_row, score_ok = _score_rows(scores_ptr, score_rows_ptr, row, r, rows, kv_head * GQA + g, lane_ok,
+                                          stride_sr, stride_sh, TILE_ROWS, STORE_SCORES)
         cell = tl.load(cell_ptr + first).to(tl.int64)  # the tile's rows share cell and depth
         depth = tl.load(depth_ptr + first).to(tl.int32)
         dtype = k_tail_ptr.dtype.element_ty

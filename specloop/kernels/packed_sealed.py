@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specloop.kernels.packed_steps import _dot, _online, _tile
+from specloop.kernels.packed_steps import _dot, _lanes, _score_rows
 
 GROUP = 64  # keys a record holds at a plane
 SCAN = 64  # groups a scan step reads at once
@@ -232,17 +232,10 @@ def _sealed_kernel(
     BLOCK_D: tl.constexpr, SCAN_GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BIAS: tl.constexpr, STORE_SCORES: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    first, rows, table = _tile(t, tiles_ptr, table_offset_ptr, HAS_TILES)
+    first, rows, table, r, g, row, pos, lane_ok, context = _lanes(
+        tiles_ptr, table_offset_ptr, position_ptr, HAS_TILES, GQA, BLOCK_G, BLOCK_M, TILE_ROWS)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    i = tl.arange(0, BLOCK_M)
-    r = i // BLOCK_G
-    g = i % BLOCK_G
-    row = first + r
-    pos = tl.load(position_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int32)
-    lane_ok = (pos >= 0) & (g < GQA)
-    context = tl.max(pos, axis=0) + 1
     if context > 0:
         chunk = tl.cdiv(tl.cdiv(context, splits), _GROUP) * _GROUP
         lo = split * chunk
@@ -254,14 +247,10 @@ def _sealed_kernel(
         low_pos = tl.min(tl.where(lane_ok, pos, _NEVER), axis=0)
         stop = _scan(lo, end, low_pos, base, depth, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len,
                      PLANES, SCAN_GROUPS)
-        tl.store(stop_ptr + (t * num_kv_heads + kv_head) * splits + split, stop)
-        score_row = scores_ptr  # (placeholders: read only with STORE_SCORES)
-        score_ok = lane_ok
+        tl.store(stop_ptr + (tl.program_id(0).to(tl.int64) * num_kv_heads + kv_head) * splits + split, stop)
         head = kv_head * GQA + g
-        if STORE_SCORES:  # each row's scores row, -1 for none
-            score_at = tl.load(score_rows_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int64)
-            score_row = scores_ptr + score_at * stride_sr + head * stride_sh
-            score_ok = lane_ok & (score_at >= 0)
+        score_row, score_ok = _score_rows(scores_ptr, score_rows_ptr, row, r, rows, head, lane_ok, stride_sr,
+                                          stride_sh, TILE_ROWS, STORE_SCORES)
         q_at = row * stride_qn + head * stride_qh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

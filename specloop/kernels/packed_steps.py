@@ -1,6 +1,6 @@
 """Steps the packed reader's two kernels share (`packed_attention`'s general kernel and
-`packed_sealed`'s sealed pass): a tile's header, the product in DT or IEEE fp32, and one key
-block's online-softmax step."""
+`packed_sealed`'s sealed pass): a tile's header and lanes, each lane's scores row, the
+product in DT or IEEE fp32, and one key block's online-softmax step."""
 
 from __future__ import annotations
 
@@ -44,3 +44,34 @@ def _online(s, seen, j, m_i, l_i, scale, score_row, score_ok, score_keys, STORE_
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _lanes(tiles_ptr, table_offset_ptr, position_ptr, HAS_TILES: tl.constexpr, GQA: tl.constexpr,
+           BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, TILE_ROWS: tl.constexpr):
+    """The program's tile and its M lanes, (row of the tile, query head of the KV head):
+    first row, rows, table offset, each lane's row r and head g within the KV head, its row
+    index and position (-1 past the tile's rows), whether it is a real lane, and the tile's
+    context (max position + 1; 0 for a padding tile)."""
+    first, rows, table = _tile(tl.program_id(0).to(tl.int64), tiles_ptr, table_offset_ptr, HAS_TILES)
+    i = tl.arange(0, BLOCK_M)
+    r = i // BLOCK_G
+    g = i % BLOCK_G
+    row = first + r
+    pos = tl.load(position_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int32)
+    lane_ok = (pos >= 0) & (g < GQA)
+    return first, rows, table, r, g, row, pos, lane_ok, tl.max(pos, axis=0) + 1
+
+
+@triton.jit
+def _score_rows(scores_ptr, score_rows_ptr, row, r, rows, head, lane_ok, stride_sr, stride_sh,
+                TILE_ROWS: tl.constexpr, STORE_SCORES: tl.constexpr):
+    """Each lane's scores row pointer and whether it keeps scores (STORE_SCORES: rows with
+    a scores row, -1 for none; otherwise placeholders, never read)."""
+    score_row = scores_ptr
+    score_ok = lane_ok
+    if STORE_SCORES:
+        score_at = tl.load(score_rows_ptr + row, mask=(r < rows) & (r < TILE_ROWS), other=-1).to(tl.int64)
+        score_row = scores_ptr + score_at * stride_sr + head * stride_sh
+        score_ok = lane_ok & (score_at >= 0)
+    return score_row, score_ok
