@@ -13,7 +13,7 @@
 # PART=residual-capacity its memory and capacity parts (20 GiB, 24 x 8K); PART=reader-sweep
 # bench/packed_reader_sweep.py (the packed reader's block_n, splits and warps); PART=residual-quick
 # the packed reader's kernel tests and its engine and graph-replay tests only; PART=sealed-reader its
-# kernel tests, then the sweep with the sealed pass on and off, its warps and chunks (batch 1 and 32); PART=packed-sparse
+# kernel tests, then the sweep with the sealed pass on (one-lane), tc (tensor cores) and off (SEALED), its warps (batch 1 and 32); PART=packed-sparse
 # sparse decode over INT4 planes (kernel tests, no-sync, the matrix's INT4 sparse graph cells,
 # all three's batch-1 8K profile and its batch-1 speed at 8K / 32K with and without block
 # rounds, TAG a suffix of the jsons); PART=sparse-decode
@@ -79,12 +79,13 @@ if [ "$PART" = reader-sweep ]; then  # the packed reader alone against the BF16 
   exit 0
 fi
 if [ "$PART" = sealed-reader ]; then  # the packed reader's sealed pass: its kernel tests, then on/off sweeps
-  TAIL=8 step 150 python -m pytest -q -rf --tb=short -n 8 -p xdist tests/test_kernels_packed_attention.py
+  TAIL=8 step 150 python -m pytest -q -rf --tb=short -n 8 -p xdist tests/test_kernels_packed_attention.py \
+    tests/test_kernels_sparse_decode.py
   TAIL=60 step 200 python bench/packed_reader_sweep.py --depth 0,3 --block-n 32 --splits engine --warps default \
-    --sealed on,off --sealed-warps ${SEALED_WARPS:-default} --sealed-chunk 32,64 \
+    --sealed ${SEALED:-on,tc,off} --sealed-warps ${SEALED_WARPS:-default} --sealed-chunk 32 \
     --out "$OUT/packed_reader_sweep_sealed${TAG:-}_h200.json"
   TAIL=30 step 150 python bench/packed_reader_sweep.py --batch 32 --lengths 8192 --depth 0,3 --block-n 32 \
-    --splits engine --warps default --sealed on,off --sealed-warps ${SEALED_WARPS:-default} --sealed-chunk 32,64 \
+    --splits engine --warps default --sealed ${SEALED:-on,tc,off} --sealed-warps ${SEALED_WARPS:-default} --sealed-chunk 32 \
     --out "$OUT/packed_reader_sweep_sealed${TAG:-}_b32_h200.json"
   exit 0
 fi

@@ -106,6 +106,9 @@ def main() -> None:
             if name == "_attention_kernel":
                 print(f"general kernel: block_n {bn}, warps {warps}, max registers {regs}, after sealed {sealed}: "
                       f"shared {kernel.metadata.shared} B; {resources(kernel.asm['ptx'])}", flush=True)
+            elif name == "_row_kernel":
+                print(f"one-lane sealed pass: warps {sealed_warps}: shared {kernel.metadata.shared} B; "
+                      f"{resources(kernel.asm['ptx'])}", flush=True)
             elif name == "_sealed_kernel":
                 print(f"sealed pass: warps {sealed_warps}, chunk {chunk}: shared {kernel.metadata.shared} B; "
                       f"{resources(kernel.asm['ptx'])}", flush=True)

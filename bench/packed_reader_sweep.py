@@ -124,8 +124,10 @@ def main() -> None:
     p.add_argument("--warps", default="default,8")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--max-registers", default="default", help="ptxas register caps a thread, comma-separated")
-    p.add_argument("--sealed", default="on,off",
-                   help="on: the sealed pass (packed_sealed) reads dense sealed groups first; off: the general kernel alone")
+    p.add_argument("--sealed", default="on,tc,off",
+                   help="on: the sealed pass reads dense sealed groups first (one-row tiles of GQA 1 on CUDA cores, "
+                        "packed_sealed_row; the engine's); tc: the tensor-core sealed pass (packed_sealed) for every "
+                        "tile; off: the general kernel alone")
     p.add_argument("--sealed-warps", default="default", help="the sealed pass's warps, comma-separated")
     p.add_argument("--sealed-chunk", default="32", help="channels a sealed score product takes, comma-separated")
     args = p.parse_args()
@@ -175,12 +177,14 @@ def main() -> None:
                             args.sealed_warps.split(","), args.sealed_chunk.split(",")):
                         if sealed == "off" and (sealed_warps, chunk) != ENGINE_SEALED[1:]:
                             continue  # (the sealed pass's own knobs mean nothing without it)
+                        if sealed == "on" and chunk != ENGINE_SEALED[2] and args.heads == args.kv_heads:
+                            continue  # (the one-lane pass has no chunk)
                         warps = None if warps_arg == "default" else int(warps_arg)
                         regs = None if regs_arg == "default" else int(regs_arg)
                         label = (f"block_n {block_n}, {splits} splits, warps {warps_arg}, registers {regs_arg}, "
                                  f"sealed {sealed} (warps {sealed_warps}, chunk {chunk})")
                         kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps, "max_registers": regs,
-                              "sealed": sealed == "on", "sealed_chunk": int(chunk),
+                              "sealed": sealed != "off", "sealed_row": sealed == "on", "sealed_chunk": int(chunk),
                               "sealed_warps": None if sealed_warps == "default" else int(sealed_warps)}
 
                         def run() -> None:

@@ -425,6 +425,48 @@ def test_sealed_pass_reads_dense_sealed_groups(dtype, block_n, splits):
     assert not torch.equal(general, clean)
 
 
+@pytest.mark.parametrize("dtype, dim, splits", [(torch.float32, 32, 1), (torch.bfloat16, 64, 3),
+                                                 (torch.bfloat16, 128, 2)])
+def test_one_lane_pass_reads_dense_sealed_groups(dtype, dim, splits):
+    """GQA 1 (Ouro's heads): one-row tiles' sealed groups go to the one-lane pass on CUDA
+    cores (`packed_sealed_row`: codes as units 1 + c / 256 or 1 + c / 16 with the biases
+    taken off, or in fp32 the codes themselves), longer tiles' to the tensor-core pass;
+    both within the reference's tolerance, on decode rows, one-row tiles and a mix of one-
+    and three-row tiles with padding. A probe shows the one-lane pass reads the groups (no
+    other sealed pass runs without tiles): row maps broken inside sealed groups change
+    nothing it reads, and the general kernel's output."""
+    rows = [(0, d, pos) for d in range(PLANES) for pos in (149, 130, 70)] + [(1, 3, 99), (1, 0, 64), (2, 2, 79)]
+    case = _case(7, [150, 100, 80], ["mixed", "sealed", "open"], rows, 2, 2, dim, dtype, keep=1.0, shift=False)
+    assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
+    kw = dict(return_lse=True, num_splits=splits)
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    for how in (dict(), dict(sealed_row=False)):
+        out, lse = packed_attention_triton(*case.args(), **how, **kw)
+        torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+    # tiles: one-row ones for the rows of cells 1 and 2, three-row ones for cell 0, a padding tile
+    offsets = case.table_offset.tolist()
+    tiles = [[i, 1, offsets[i]] for i in range(12, len(rows))] + [[0, 0, 0]]
+    tiles += [[first, 3, offsets[first]] for first in range(0, 12, 3)]
+    tiles = torch.tensor(tiles, dtype=torch.int32, device=DEVICE)
+    out, lse = packed_attention_triton(*case.args(), tiles=tiles, tile_rows=3, **kw)
+    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+    # the probe
+    probe = [(0, d, 149) for d in range(PLANES)]
+    case = _case(7, [150, 100, 80], ["sealed", "sealed", "open"], probe, 2, 2, dim, dtype, keep=1.0, shift=False)
+    kw = dict(return_lse=True, num_splits=1)
+    clean, _ = packed_attention_triton(*case.args(), **kw)
+    j = torch.arange(128, device=DEVICE)
+    maps = case.packed.row_maps.clone()
+    maps[0, :, j[j % 64 != 63]] = -1
+    broken = dataclasses.replace(case, packed=dataclasses.replace(case.packed, row_maps=maps))
+    out, _ = packed_attention_triton(*broken.args(), **kw)
+    _same(out, clean)
+    general, _ = packed_attention_triton(*broken.args(), sealed=False, **kw)
+    assert not torch.equal(general, clean)
+
+
 def test_packed_splits_split_long_contexts_of_few_programs():
     """More splits than the BF16 kernel's for a few programs on a long context (the H200
     sweep's batch-1 choices), the same as its choice for a full grid or a short context."""

@@ -96,7 +96,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specloop.kernels import packed_sealed
+from specloop.kernels import packed_sealed, packed_sealed_row
 from specloop.kernels.packed_keys import (
     REFERENCE_DTYPES, _INDEX_POINTERS, PackedKV, _block_rows, _check, _common, _exact, _key_seals, _reconstructed,
     _storage, _use_triton, row_keys,
@@ -276,13 +276,16 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
                             sealed: bool = True, sealed_warps: int | None = None, sealed_chunk: int = 32,
-                            max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            sealed_row: bool = True, max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`): with
     `sealed` (and a head dim `packed_sealed.supported` takes) the sealed pass first, then the
     general kernel from each split's stop key; the combine when split or sealed. No host sync
     (tiles are not checked against the rows: the reference checks them). `num_warps` and
     `max_registers` (ptxas' maxnreg) shape the general kernel, `sealed_warps` and
-    `sealed_chunk` (the channels a score product takes at once) the sealed pass."""
+    `sealed_chunk` (the channels a score product takes at once) the sealed pass. With
+    `sealed_row` (GQA 1, a head dim `packed_sealed_row.supported` takes) one-row tiles'
+    sealed groups go to the one-lane pass on CUDA cores, longer tiles' to the tensor-core
+    one (each kernel skips the other's tiles on the device)."""
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
@@ -314,15 +317,24 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     store_scores = check_scores(scores, score_rows, n, num_heads)
     scores_arg = scores if store_scores else out
     score_rows_arg = score_rows if store_scores else position
+    one_lane = sealed and sealed_row and gqa == 1 and packed_sealed_row.supported(head_dim)
     if sealed:
         stop = torch.empty(num_tiles * num_kv_heads * num_splits, dtype=torch.int32, device=q.device)
+    if one_lane:
+        packed_sealed_row.row_pass(
+            q, _storage(k_tail, v_tail, tables, packed)[3:], rows, tiles_arg, part_o, part_lse, stop, num_tiles,
+            num_splits, has_tiles=tiles is not None, num_kv_heads=num_kv_heads,
+            max_groups=packed.group_tables.shape[2], max_len=packed.row_maps.shape[2], planes=packed.planes,
+            block_d=common["BLOCK_D"], exact=q.dtype == torch.float32, store_scores=store_scores,
+            scores=scores_arg, score_rows=score_rows_arg, num_warps=sealed_warps)
+    if sealed and not (one_lane and (tiles is None or tile_rows == 1)):
         packed_sealed.sealed_pass(
             q, _storage(k_tail, v_tail, tables, packed)[3:], rows, tiles_arg, part_o, part_lse, stop, num_tiles,
             num_splits, tile_rows=tile_rows, has_tiles=tiles is not None, num_kv_heads=num_kv_heads,
             max_groups=packed.group_tables.shape[2], max_len=packed.row_maps.shape[2], planes=packed.planes,
             block_m=block_m, block_g=bg, block_d=common["BLOCK_D"], dot_fp32=dot_fp32, dot_dtype=dot_dtype,
             store_scores=store_scores, scores=scores_arg, score_rows=score_rows_arg, num_warps=sealed_warps,
-            chunk=sealed_chunk)
+            chunk=sealed_chunk, skip_one_row=one_lane)
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, *_storage(k_tail, v_tail, tables, packed), *rows, tiles_arg, out, lse_arg, part_o, part_lse, stop,
         scores if store_scores else out, score_rows if store_scores else position,

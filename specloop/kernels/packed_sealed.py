@@ -230,13 +230,16 @@ def _sealed_kernel(
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, GW: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, SCAN_GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BIAS: tl.constexpr, STORE_SCORES: tl.constexpr, CHUNK: tl.constexpr,
+    BIAS: tl.constexpr, STORE_SCORES: tl.constexpr, CHUNK: tl.constexpr, SKIP_ONE_ROW: tl.constexpr,
 ):
     first, rows, table, r, g, row, pos, lane_ok, context = _lanes(
         tiles_ptr, table_offset_ptr, position_ptr, HAS_TILES, GQA, BLOCK_G, BLOCK_M, TILE_ROWS)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if context > 0:
+    live = context > 0
+    if SKIP_ONE_ROW:  # one-row tiles are packed_sealed_row's
+        live = live & (rows > 1)
+    if live:
         chunk = tl.cdiv(tl.cdiv(context, splits), _GROUP) * _GROUP
         lo = split * chunk
         hi = tl.minimum(context, lo + chunk)
@@ -324,10 +327,11 @@ def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[
                 num_tiles: int, num_splits: int, *, tile_rows: int, has_tiles: bool, num_kv_heads: int,
                 max_groups: int, max_len: int, planes: int, block_m: int, block_g: int, block_d: int,
                 dot_fp32: bool, dot_dtype, store_scores: bool, scores: torch.Tensor, score_rows: torch.Tensor,
-                num_warps: int | None = None, chunk: int = 32) -> None:
+                num_warps: int | None = None, chunk: int = 32, skip_one_row: bool = False) -> None:
     """Launch the sealed pass over (tiles, KV heads, splits): partials in slots 0..splits-1
     of each row's 2 x splits, each program's stop key in `stop` [tiles * Hkv * splits]
-    (packed_attention_triton prepares the arguments)."""
+    (packed_attention_triton prepares the arguments); with `skip_one_row` its programs of
+    one-row tiles do nothing (`packed_sealed_row` reads those)."""
     n, num_heads, head_dim = q.shape
     k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, seal, group_tables, row_maps = storage
     bias = 0 if dot_fp32 else (128 if q.dtype == torch.bfloat16 else 1024)
@@ -340,6 +344,6 @@ def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[
         num_splits, GQA=num_heads // num_kv_heads, BLOCK_G=block_g, TILE_ROWS=tile_rows, HAS_TILES=has_tiles,
         HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP), GW=channel_group(head_dim),
         BLOCK_M=block_m, BLOCK_D=block_d, SCAN_GROUPS=SCAN, DOT_FP32=dot_fp32, DOT_DTYPE=dot_dtype, BIAS=bias,
-        STORE_SCORES=store_scores, CHUNK=min(chunk, block_d),
+        STORE_SCORES=store_scores, CHUNK=min(chunk, block_d), SKIP_ONE_ROW=skip_one_row,
         **({} if num_warps is None else {"num_warps": num_warps}),
     )
