@@ -82,8 +82,7 @@ def _k_byte(s_even, s_odd, words, one, q256, q16, S: tl.constexpr, EXACT: tl.con
 
 @triton.jit
 def _v_words(a0, a1, a2, a3, a4, a5, a6, a7, words, one, w256, w16, EXACT: tl.constexpr):
-    """V words [64, CW] of one channel group, into a_k (channel 8w + k of the group, each
-    row's own): byte j's low nibble (channel 8w + 2j) weighed by w256 = 256 p * scale, its
+    """V words [32, CW] of one channel group, into a_k (channel 8w + k of the group): byte j's low nibble (channel 8w + 2j) weighed by w256 = 256 p * scale, its
     high nibble by w16."""
     x = _shifted(words, 15)
     a0 += _unit(x, one, 15, EXACT) * w256
@@ -101,16 +100,25 @@ def _v_words(a0, a1, a2, a3, a4, a5, a6, a7, words, one, w256, w16, EXACT: tl.co
 
 
 @triton.jit
-def _plane_scores(s_even, s_odd, terms, qsum, q4, one, c4, c_ok, i, w, w_ok, rec, kv_head, k_words_ptr, k_scale_ptr,
-                  k_lo_ptr, num_kv_heads, HEAD_DIM: tl.constexpr, EXACT: tl.constexpr):
-    """One plane's share of the group's even and odd rows' scores ([32, KW] each, summed over
-    words by the caller): record `rec`, q4 [KW, 4] the query's channels 4w + j."""
+def _k_plane(rec, kv_head, i, w, w_ok, c4, c_ok, k_words_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+             HEAD_DIM: tl.constexpr):
+    """One plane's K of the group, record `rec` (none loaded for -1): words [32, KW], scale and
+    lo [KW, 4] (channel 4w + j)."""
     r = rec.to(tl.int64)
+    on = (tl.zeros_like(w) + rec) >= 0  # (a scalar in a vector mask fails under the interpreter)
     words = tl.load(k_words_ptr + ((r * (_GROUP // 2) + i) * num_kv_heads + kv_head)[:, None] * (HEAD_DIM // 4)
-                    + w[None, :], mask=w_ok[None, :], other=0)
+                    + w[None, :], mask=(w_ok & on)[None, :], other=0)
     at = (r * num_kv_heads + kv_head) * HEAD_DIM + c4
-    qs16 = q4 * tl.load(k_scale_ptr + at, mask=c_ok, other=0.0).to(tl.float32)  # (q4 is 16 q)
-    terms += q4 * tl.load(k_lo_ptr + at, mask=c_ok, other=0.0).to(tl.float32)
+    ok = c_ok & on[:, None]
+    return words, tl.load(k_scale_ptr + at, mask=ok, other=0.0), tl.load(k_lo_ptr + at, mask=ok, other=0.0)
+
+
+@triton.jit
+def _plane_scores(s_even, s_odd, terms, qsum, q4, one, words, k_scale, k_lo, EXACT: tl.constexpr):
+    """One plane's share of the group's even and odd rows' scores ([32, KW] each, summed over
+    words by the caller) from its `_k_plane`; q4 [KW, 4] is 16 q at channel 4w + j."""
+    qs16 = q4 * k_scale.to(tl.float32)
+    terms += q4 * k_lo.to(tl.float32)
     if not EXACT:
         qsum += qs16
     a, b = tl.split(tl.reshape(qs16, [qs16.shape[0], 2, 2]))  # channels 4w + 2x, 4w + 2x + 1
@@ -124,21 +132,42 @@ def _plane_scores(s_even, s_odd, terms, qsum, q4, one, c4, c_ok, i, w, w_ok, rec
 
 
 @triton.jit
-def _group_values(a0, a1, a2, a3, a4, a5, a6, a7, u, psum, p, vrow, cw, one, g: tl.constexpr, v_words_ptr,
-                  v_scale_ptr, v_lo_ptr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr, EXACT: tl.constexpr):
-    """Channel group g (64 channels, 8 words a row) of the group's 64 V rows `vrow`, p [64]
-    their probabilities: its words into a_k [64, CW], the shared terms p . lo into u [64]
-    and p * scale into psum [64]. The scale and lo are [64] vectors, broadcast over the
-    words: a [64, words] gather of them took a layout of its own, and every product then
-    went through shared memory (about 30 barriers a plane on sm_90)."""
+def _v_plane(rec, kv_head, i, cw, g: tl.constexpr, v_words_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
+             HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr):
+    """Channel group g (64 channels, 8 words a row) of one plane's V rows of the group,
+    record `rec` (none loaded for -1): words of the even rows 2i and the odd rows [32, CW],
+    and their scale and lo, [32] each. As [32] vectors broadcast over the words: a gather
+    of them shaped like the words took a layout of its own, and every product then went
+    through shared memory (about 30 barriers a plane on sm_90)."""
+    r = rec.to(tl.int64)
+    on = (tl.zeros_like(i) + rec) >= 0
+    even = (r * _GROUP + 2 * i) * num_kv_heads + kv_head
+    odd = even + num_kv_heads
     word = g * 8 + cw
-    words = tl.load(v_words_ptr + vrow[:, None] * (HEAD_DIM // 8) + word[None, :],
-                    mask=(word < HEAD_DIM // 8)[None, :], other=0)
-    ps = p * tl.load(v_scale_ptr + vrow * V_GROUPS + g).to(tl.float32)
-    u += p * tl.load(v_lo_ptr + vrow * V_GROUPS + g).to(tl.float32)
+    ok = on[:, None] & (word < HEAD_DIM // 8)[None, :]
+    we = tl.load(v_words_ptr + even[:, None] * (HEAD_DIM // 8) + word[None, :], mask=ok, other=0)
+    wo = tl.load(v_words_ptr + odd[:, None] * (HEAD_DIM // 8) + word[None, :], mask=ok, other=0)
+    se = tl.load(v_scale_ptr + even * V_GROUPS + g, mask=on, other=0.0)
+    so = tl.load(v_scale_ptr + odd * V_GROUPS + g, mask=on, other=0.0)
+    le = tl.load(v_lo_ptr + even * V_GROUPS + g, mask=on, other=0.0)
+    lo = tl.load(v_lo_ptr + odd * V_GROUPS + g, mask=on, other=0.0)
+    return we, wo, se, so, le, lo
+
+
+@triton.jit
+def _group_values(a0, a1, a2, a3, a4, a5, a6, a7, u, psum, p_even, p_odd, one, we, wo, se, so, le, lo,
+                  EXACT: tl.constexpr):
+    """A channel group's plane (`_v_plane`) into a_k [32, CW] (channel 8w + k, row slot i:
+    rows 2i and 2i + 1 summed), the shared terms p . lo into u [32] and p * scale into
+    psum [32]."""
+    pe = p_even * se.to(tl.float32)
+    po = p_odd * so.to(tl.float32)
+    u += p_even * le.to(tl.float32) + p_odd * lo.to(tl.float32)
     if not EXACT:
-        psum += ps
-    return _v_words(a0, a1, a2, a3, a4, a5, a6, a7, words, one, (ps * 256.0)[:, None], (ps * 16.0)[:, None], EXACT) + (
+        psum += pe + po
+    a0, a1, a2, a3, a4, a5, a6, a7 = _v_words(a0, a1, a2, a3, a4, a5, a6, a7, we, one, (pe * 256.0)[:, None],
+                                              (pe * 16.0)[:, None], EXACT)
+    return _v_words(a0, a1, a2, a3, a4, a5, a6, a7, wo, one, (po * 256.0)[:, None], (po * 16.0)[:, None], EXACT) + (
         u, psum)
 
 
@@ -209,10 +238,9 @@ def _row_kernel(
             c_ok = c4 < HEAD_DIM
             q4 = tl.load(q_ptr + first * stride_qn + head * stride_qh + c4, mask=c_ok, other=0.0).to(tl.float32) * 16.0
             cw = tl.arange(0, CW)
-            vr = tl.arange(0, _GROUP)
             m_i = tl.max(tl.full([2], float("-inf"), tl.float32), axis=0)
             l_i = tl.sum(tl.zeros([2], tl.float32), axis=0)
-            a0 = tl.zeros([_GROUP, CW], tl.float32)  # channel group 0
+            a0 = tl.zeros([_GROUP // 2, CW], tl.float32)  # channel group 0
             a1 = tl.zeros_like(a0)
             a2 = tl.zeros_like(a0)
             a3 = tl.zeros_like(a0)
@@ -228,7 +256,7 @@ def _row_kernel(
             b5 = tl.zeros_like(a0)
             b6 = tl.zeros_like(a0)
             b7 = tl.zeros_like(a0)
-            u0 = tl.zeros([_GROUP], tl.float32)
+            u0 = tl.zeros([_GROUP // 2], tl.float32)
             u1 = tl.zeros_like(u0)
             psum0 = tl.zeros_like(u0)
             psum1 = tl.zeros_like(u0)
@@ -238,11 +266,17 @@ def _row_kernel(
                 s_odd = tl.zeros([_GROUP // 2, KW], tl.float32)
                 terms = tl.zeros_like(q4)
                 qsum = tl.zeros_like(q4)
+                # each plane's loads are issued before the plane before it is multiplied
+                kw_at, ks_at, kl_at = _k_plane(_record(base, depth, grp, group_tables_ptr, max_groups, 0), kv_head, i,
+                                               w, w_ok, c4, c_ok, k_words_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                                               HEAD_DIM)
                 for pl in range(0, depth + 1):
-                    s_even, s_odd, terms, qsum = _plane_scores(
-                        s_even, s_odd, terms, qsum, q4, one, c4, c_ok, i, w, w_ok,
-                        _record(base, depth, grp, group_tables_ptr, max_groups, pl), kv_head, k_words_ptr,
-                        k_scale_ptr, k_lo_ptr, num_kv_heads, HEAD_DIM, EXACT)
+                    kw_next, ks_next, kl_next = _k_plane(
+                        _record(base, depth, grp, group_tables_ptr, max_groups, pl + 1), kv_head, i, w, w_ok, c4, c_ok,
+                        k_words_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, HEAD_DIM)
+                    s_even, s_odd, terms, qsum = _plane_scores(s_even, s_odd, terms, qsum, q4, one, kw_at, ks_at,
+                                                               kl_at, EXACT)
+                    kw_at, ks_at, kl_at = kw_next, ks_next, kl_next
                 # (q4 is 16 q: the shared terms and the biases, 256 and 16 q * scale, are 1/16 of
                 # 16 q . lo, 256 and 16 times qsum / 16)
                 shared = tl.sum(tl.sum(terms, axis=1), axis=0) * 0.0625
@@ -262,7 +296,6 @@ def _row_kernel(
                 p_odd = tl.exp(s_odd - m_new)
                 l_i = l_i * alpha + tl.sum(p_even, axis=0) + tl.sum(p_odd, axis=0)
                 m_i = m_new
-                p = tl.reshape(tl.join(p_even, p_odd), [_GROUP])  # rows 2i, 2i + 1 in order
                 a0, a1, a2, a3, a4, a5, a6, a7 = a0 * alpha, a1 * alpha, a2 * alpha, a3 * alpha, a4 * alpha, \
                     a5 * alpha, a6 * alpha, a7 * alpha
                 u0 *= alpha
@@ -272,16 +305,27 @@ def _row_kernel(
                         b5 * alpha, b6 * alpha, b7 * alpha
                     u1 *= alpha
                     psum1 *= alpha
+                rec = _record(base, depth, grp, group_tables_ptr, max_groups, 0)
+                we0, wo0, se0, so0, le0, lo0 = _v_plane(rec, kv_head, i, cw, 0, v_words_ptr, v_scale_ptr, v_lo_ptr,
+                                                        num_kv_heads, HEAD_DIM, V_GROUPS)
+                if V_GROUPS > 1:
+                    we1, wo1, se1, so1, le1, lo1 = _v_plane(rec, kv_head, i, cw, 1, v_words_ptr, v_scale_ptr, v_lo_ptr,
+                                                            num_kv_heads, HEAD_DIM, V_GROUPS)
                 for pl in range(0, depth + 1):
-                    rec = _record(base, depth, grp, group_tables_ptr, max_groups, pl).to(tl.int64)
-                    vrow = (rec * _GROUP + vr) * num_kv_heads + kv_head
+                    rec = _record(base, depth, grp, group_tables_ptr, max_groups, pl + 1)
+                    nwe0, nwo0, nse0, nso0, nle0, nlo0 = _v_plane(rec, kv_head, i, cw, 0, v_words_ptr, v_scale_ptr,
+                                                                  v_lo_ptr, num_kv_heads, HEAD_DIM, V_GROUPS)
                     a0, a1, a2, a3, a4, a5, a6, a7, u0, psum0 = _group_values(
-                        a0, a1, a2, a3, a4, a5, a6, a7, u0, psum0, p, vrow, cw, one, 0, v_words_ptr, v_scale_ptr,
-                        v_lo_ptr, HEAD_DIM, V_GROUPS, EXACT)
+                        a0, a1, a2, a3, a4, a5, a6, a7, u0, psum0, p_even, p_odd, one, we0, wo0, se0, so0, le0, lo0,
+                        EXACT)
+                    we0, wo0, se0, so0, le0, lo0 = nwe0, nwo0, nse0, nso0, nle0, nlo0
                     if V_GROUPS > 1:
+                        nwe1, nwo1, nse1, nso1, nle1, nlo1 = _v_plane(rec, kv_head, i, cw, 1, v_words_ptr, v_scale_ptr,
+                                                                      v_lo_ptr, num_kv_heads, HEAD_DIM, V_GROUPS)
                         b0, b1, b2, b3, b4, b5, b6, b7, u1, psum1 = _group_values(
-                            b0, b1, b2, b3, b4, b5, b6, b7, u1, psum1, p, vrow, cw, one, 1, v_words_ptr, v_scale_ptr,
-                            v_lo_ptr, HEAD_DIM, V_GROUPS, EXACT)
+                            b0, b1, b2, b3, b4, b5, b6, b7, u1, psum1, p_even, p_odd, one, we1, wo1, se1, so1, le1,
+                            lo1, EXACT)
+                        we1, wo1, se1, so1, le1, lo1 = nwe1, nwo1, nse1, nso1, nle1, nlo1
             empty = l_i == 0.0  # nothing sealed at the split's start (the general kernel reads it)
             l_safe = tl.where(empty, 1.0, l_i)
             at = (first * num_heads + head) * (2 * splits) + split
