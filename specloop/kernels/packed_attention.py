@@ -37,7 +37,9 @@ Two passes. The sealed pass (`packed_sealed`, its own lean kernel) reads each sp
 leading 64-key groups that every plane up to the depth holds densely and every lane of the
 tile reads reconstructed, straight from the INT4 codes with the scales folded into q and p,
 and stores the key where it stopped; it is the common case of a decode step without
-token-sparse prefill. The general kernel (`_attention_kernel`) reads the rest of the split
+token-sparse prefill. Tiles of one row and one query head (a GQA-1 model's decode rows)
+take the one-lane form of that pass on CUDA cores instead (`packed_sealed_row`; the
+tensor-core one skips them on the device). The general kernel (`_attention_kernel`) reads the rest of the split
 from that key on, and the combine merges the two partials of every split by lse. Without
 `sealed` (or for a head dim the sealed pass does not take) the general kernel reads all.
 
@@ -78,7 +80,7 @@ dot is wrong) and rounding to bf16 is done by hand on the bits (its fp32 -> bf16
 truncates); see ../shared/docs/gpu.md and `int4_groups`.
 
 Not done yet: the M padding to 16 wastes most of a one-row (decode) program's tensor-core
-tile; a straddling block pays two QK and two PV products; register pressure at M = 64 with
+tile in the general kernel and, with GQA > 1, the sealed pass; a straddling block pays two QK and two PV products; register pressure at M = 64 with
 four gathered tiles live in a straddling block is unmeasured. Speed: docs/flashloop.md
 ("The reader tuned"). Not checked on the
 device (no host sync in `packed_attention_triton`): depth < P, positions < MAXLEN, that a

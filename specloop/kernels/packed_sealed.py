@@ -10,7 +10,8 @@ compiled: a whole 64-key group (one record a plane) that every plane up to the d
 densely and that every lane of the tile reads reconstructed.
 
 A program per (tile, KV head, split), the same tiles, lanes and split bounds as the general
-kernel (chunks rounded to whole 64-key groups).
+kernel (chunks rounded to whole 64-key groups). With SKIP_ONE_ROW, one-row tiles are left to
+`packed_sealed_row` (the same pass on CUDA cores, for GQA 1).
 
 1. Scan: from the split's first key, its whole groups g (keys 64g..64g+63, all below the
    split's end) qualify while, at every plane p up to the depth, the row map sends key

@@ -22,6 +22,8 @@ integer ops and one FMA, and nothing leaves the registers it was loaded into:
 - The shared K terms (q . lo, the biases) and the shared V terms (p . lo) are accumulated
   elementwise and summed once a group (K) or once a program (V), so no plane pays a sum
   across lanes.
+- Each plane's loads are issued before the plane before it is multiplied; V's even and odd
+  rows are [32, 8-word] tiles a channel group, their scale and lo [32] vectors.
 
 A program per (tile, KV head, split) as `packed_sealed`; only tiles of one row take this
 pass (the launcher runs it only for GQA 1, and `packed_sealed`'s kernel skips one-row tiles
