@@ -7,7 +7,8 @@ A smoke run without a GPU (interpreter; its times mean nothing):
     TRITON_INTERPRET=1 python bench/packed_reader_sweep.py --out /tmp/sweep.json --lengths 200 \
         --heads 4 --kv-heads 4 --dim 32 --tail 16 --reps 1 --block-n 32 --splits engine,2 --warps default
 
-What it times (CUDA events after warm-up, the median of --reps; ../shared/docs/gpu.md):
+What it times (CUDA events around one replay of a CUDA graph of the call, after warm-up, the
+median of --reps; ../shared/docs/gpu.md):
 one layer's attention for `--batch` cells of `--length` positions each, one query row per
 cell at position length - 1, at depth --depth (0-based: 3 reads four planes). Every plane is
 dense (every position has a row at every plane: the common case without token-sparse
@@ -91,20 +92,30 @@ def check(case: dict, rows: tuple, page: int, **kw) -> float:
 
 
 def time_ms(fn, reps: int) -> float:
+    """The median GPU time of one call, replayed from a CUDA graph as the engine runs it:
+    timed eagerly, a batch-1 call's launches (three kernels and their Python) took longer
+    than its kernels, so the events measured the host (before 2026-12-05)."""
     for _ in range(3):
         fn()
     if not torch.cuda.is_available():  # the CPU smoke run (interpreter): wall time, meaningless as speed
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    del graph
     return statistics.median(times)
 
 
