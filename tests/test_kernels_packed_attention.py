@@ -426,7 +426,8 @@ def test_sealed_pass_reads_dense_sealed_groups(dtype, block_n, splits):
 
 
 @pytest.mark.parametrize("dtype, dim, splits", [(torch.float32, 32, 1), (torch.bfloat16, 64, 3),
-                                                 (torch.bfloat16, 128, 2)])
+                                                 (torch.bfloat16, 128, 2), (torch.bfloat16, 96, 2),
+                                                 (torch.float32, 40, 1)])
 def test_one_lane_pass_reads_dense_sealed_groups(dtype, dim, splits):
     """GQA 1 (Ouro's heads): one-row tiles' sealed groups go to the one-lane pass on CUDA
     cores (`packed_sealed_row`: codes as units 1 + c / 256 or 1 + c / 16 with the biases
