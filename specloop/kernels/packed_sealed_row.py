@@ -23,7 +23,8 @@ integer ops and one FMA, and nothing leaves the registers it was loaded into:
   elementwise and summed once a group (K) or once a program (V), so no plane pays a sum
   across lanes.
 - Each plane's loads are issued before the plane before it is multiplied; V's even and odd
-  rows are [32, 8-word] tiles a channel group, their scale and lo [32] vectors.
+  rows are [32, 8-word] tiles a channel group, their scale and lo tiles of the same shape
+  and layout (`_v_plane`), so the plane loop has no barrier.
 
 A program per (tile, KV head, split) as `packed_sealed`; only tiles of one row take this
 pass (the launcher runs it only for GQA 1, and `packed_sealed`'s kernel skips one-row tiles
@@ -144,9 +145,11 @@ def _v_plane(rec, kv_head, i, cw, g: tl.constexpr, v_words_ptr, v_scale_ptr, v_l
              HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr):
     """Channel group g (64 channels, 8 words a row) of one plane's V rows of the group,
     record `rec` (none loaded for -1): words of the even rows 2i and the odd rows [32, CW],
-    and their scale and lo, [32] each. As [32] vectors broadcast over the words: a gather
-    of them shaped like the words took a layout of its own, and every product then went
-    through shared memory (about 30 barriers a plane on sm_90)."""
+    and their scale and lo, each [32, CW] (a row's value in every word). Every tile here has
+    one layout, so no product crosses shared memory: the words are read without a vector
+    width (`word_step`, 1 at run time, hides their contiguity), since 8-byte word loads took
+    a layout of their own and the parameters, as [32] vectors or [32, CW] tiles, were
+    converted to it through shared memory (16 to 64 barriers a plane in the sm_90 SASS)."""
     r = rec.to(tl.int64)
     on = (tl.zeros_like(i) + rec) >= 0
     even = (r * _GROUP + 2 * i) * num_kv_heads + kv_head
