@@ -298,10 +298,11 @@ def _row_kernel(
                                                             num_kv_heads, word_step, HEAD_DIM, V_GROUPS)
                 # (q4 is 16 q: the shared terms and the biases, 256 and 16 q * scale, are 1/16 of
                 # 16 q . lo, 256 and 16 times qsum / 16)
-                shared = tl.sum(tl.sum(terms, axis=1), axis=0) * 0.0625
-                sq = tl.sum(tl.sum(qsum, axis=1), axis=0)
-                s_even = tl.sum(s_even, axis=1) + (shared - 16.0 * sq)
-                s_odd = tl.sum(s_odd, axis=1) + (shared - sq)
+                # (added per word before the rows' sums: no sum over the whole program)
+                shared = tl.sum(terms, axis=1) * 0.0625
+                sq = tl.sum(qsum, axis=1)
+                s_even = tl.sum(s_even + (shared - 16.0 * sq)[None, :], axis=1)
+                s_odd = tl.sum(s_odd + (shared - sq)[None, :], axis=1)
                 key = start + 2 * i
                 if STORE_SCORES:
                     keep = (key < score_keys) & score_ok
