@@ -23,8 +23,7 @@ integer ops and one FMA, and nothing leaves the registers it was loaded into:
   elementwise and summed once a group (K) or once a program (V), so no plane pays a sum
   across lanes.
 - Each plane's loads are issued before the plane before it is multiplied; V's even and odd
-  rows are [32, 8-word] tiles a channel group, their scale and lo tiles of the same shape
-  and layout (`_v_plane`), so the plane loop has no barrier.
+  rows are [32, 8-word] tiles a channel group, their scale and lo [32] vectors.
 
 A program per (tile, KV head, split) as `packed_sealed`; only tiles of one row take this
 pass (the launcher runs it only for GQA 1, and `packed_sealed`'s kernel skips one-row tiles
@@ -103,12 +102,6 @@ def _v_words(a0, a1, a2, a3, a4, a5, a6, a7, words, one, w256, w16, EXACT: tl.co
 
 
 @triton.jit
-def _next_record(start, stop, base, group_tables_ptr, max_groups):
-    """Plane 0's record of the group at key `start`, or -1 when the pass stops before it."""
-    return tl.load(group_tables_ptr + base * max_groups + start // _GROUP, mask=start < stop, other=-1)
-
-
-@triton.jit
 def _k_plane(rec, kv_head, i, w, w_ok, c4, c_ok, k_words_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
              HEAD_DIM: tl.constexpr):
     """One plane's K of the group, record `rec` (none loaded for -1): words [32, KW], scale and
@@ -141,30 +134,25 @@ def _plane_scores(s_even, s_odd, terms, qsum, q4, one, words, k_scale, k_lo, EXA
 
 
 @triton.jit
-def _v_plane(rec, kv_head, i, cw, g: tl.constexpr, v_words_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads, word_step,
+def _v_plane(rec, kv_head, i, cw, g: tl.constexpr, v_words_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
              HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr):
     """Channel group g (64 channels, 8 words a row) of one plane's V rows of the group,
     record `rec` (none loaded for -1): words of the even rows 2i and the odd rows [32, CW],
-    and their scale and lo, each [32, CW] (a row's value in every word). Every tile here has
-    one layout, so no product crosses shared memory: the words are read without a vector
-    width (`word_step`, 1 at run time, hides their contiguity), since 8-byte word loads took
-    a layout of their own and the parameters, as [32] vectors or [32, CW] tiles, were
-    converted to it through shared memory (16 to 64 barriers a plane in the sm_90 SASS)."""
+    and their scale and lo, [32] each. As [32] vectors broadcast over the words: a gather
+    of them shaped like the words took a layout of its own, and every product then went
+    through shared memory (about 30 barriers a plane on sm_90)."""
     r = rec.to(tl.int64)
     on = (tl.zeros_like(i) + rec) >= 0
     even = (r * _GROUP + 2 * i) * num_kv_heads + kv_head
     odd = even + num_kv_heads
     word = g * 8 + cw
     ok = on[:, None] & (word < HEAD_DIM // 8)[None, :]
-    at = word[None, :] * word_step
-    we = tl.load(v_words_ptr + even[:, None] * (HEAD_DIM // 8) + at, mask=ok, other=0)
-    wo = tl.load(v_words_ptr + odd[:, None] * (HEAD_DIM // 8) + at, mask=ok, other=0)
-    par_e = (even * V_GROUPS + g)[:, None] + 0 * at
-    par_o = (odd * V_GROUPS + g)[:, None] + 0 * at
-    se = tl.load(v_scale_ptr + par_e, mask=ok, other=0.0)
-    so = tl.load(v_scale_ptr + par_o, mask=ok, other=0.0)
-    le = tl.load(v_lo_ptr + par_e, mask=ok, other=0.0)
-    lo = tl.load(v_lo_ptr + par_o, mask=ok, other=0.0)
+    we = tl.load(v_words_ptr + even[:, None] * (HEAD_DIM // 8) + word[None, :], mask=ok, other=0)
+    wo = tl.load(v_words_ptr + odd[:, None] * (HEAD_DIM // 8) + word[None, :], mask=ok, other=0)
+    se = tl.load(v_scale_ptr + even * V_GROUPS + g, mask=on, other=0.0)
+    so = tl.load(v_scale_ptr + odd * V_GROUPS + g, mask=on, other=0.0)
+    le = tl.load(v_lo_ptr + even * V_GROUPS + g, mask=on, other=0.0)
+    lo = tl.load(v_lo_ptr + odd * V_GROUPS + g, mask=on, other=0.0)
     return we, wo, se, so, le, lo
 
 
@@ -179,8 +167,10 @@ def _group_values(a0, a1, a2, a3, a4, a5, a6, a7, u, psum, p_even, p_odd, one, w
     u += p_even * le.to(tl.float32) + p_odd * lo.to(tl.float32)
     if not EXACT:
         psum += pe + po
-    a0, a1, a2, a3, a4, a5, a6, a7 = _v_words(a0, a1, a2, a3, a4, a5, a6, a7, we, one, pe * 256.0, pe * 16.0, EXACT)
-    return _v_words(a0, a1, a2, a3, a4, a5, a6, a7, wo, one, po * 256.0, po * 16.0, EXACT) + (u, psum)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _v_words(a0, a1, a2, a3, a4, a5, a6, a7, we, one, (pe * 256.0)[:, None],
+                                              (pe * 16.0)[:, None], EXACT)
+    return _v_words(a0, a1, a2, a3, a4, a5, a6, a7, wo, one, (po * 256.0)[:, None], (po * 16.0)[:, None], EXACT) + (
+        u, psum)
 
 
 @triton.jit
@@ -189,7 +179,7 @@ def _store_group(part_o_ptr, at, a0, a1, a2, a3, a4, a5, a6, a7, u, psum, l_safe
     """Channel group g of the partial: channel 64g + 8w + k is a_k summed over the rows, plus
     the shared terms, less (without EXACT) 256 (even k) or 16 (odd k) times sum p * scale,
     normalised."""
-    shared = tl.sum(u, axis=0)  # (every valid column of u and psum holds the rows' terms)
+    shared = tl.sum(u, axis=0)
     bias = tl.sum(psum, axis=0)
     ch = g * 64 + 8 * cw
     ok = ch < HEAD_DIM
@@ -206,7 +196,7 @@ def _store_group(part_o_ptr, at, a0, a1, a2, a3, a4, a5, a6, a7, u, psum, l_safe
     tl.store(out + 7, (tl.sum(a7, axis=0) + odd) / l_safe, mask=ok)
 
 
-@triton.jit(do_not_specialize=["splits", "one", "word_step"],
+@triton.jit(do_not_specialize=["splits", "one"],
             do_not_specialize_on_alignment=["cell_ptr", "depth_ptr", "position_ptr", "table_offset_ptr", "tiles_ptr",
                                             "scores_ptr", "score_rows_ptr"])
 def _row_kernel(
@@ -214,7 +204,7 @@ def _row_kernel(
     row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr, tiles_ptr, part_o_ptr, part_lse_ptr,
     stop_ptr, scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale,
-    splits, one, word_step,
+    splits, one,
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
     KW: tl.constexpr, CW: tl.constexpr, BLOCK_D: tl.constexpr, SCAN_GROUPS: tl.constexpr, EXACT: tl.constexpr,
     STORE_SCORES: tl.constexpr,
@@ -268,20 +258,20 @@ def _row_kernel(
             b5 = tl.zeros_like(a0)
             b6 = tl.zeros_like(a0)
             b7 = tl.zeros_like(a0)
-            u0 = tl.zeros([_GROUP // 2, CW], tl.float32)
+            u0 = tl.zeros([_GROUP // 2], tl.float32)
             u1 = tl.zeros_like(u0)
             psum0 = tl.zeros_like(u0)
             psum1 = tl.zeros_like(u0)
-            kw_at, ks_at, kl_at = _k_plane(_next_record(lo, stop, base, group_tables_ptr, max_groups), kv_head, i, w,
-                                           w_ok, c4, c_ok, k_words_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, HEAD_DIM)
             for start in range(lo, stop, _GROUP):
                 grp = start // _GROUP
                 s_even = tl.zeros([_GROUP // 2, KW], tl.float32)
                 s_odd = tl.zeros([_GROUP // 2, KW], tl.float32)
                 terms = tl.zeros_like(q4)
                 qsum = tl.zeros_like(q4)
-                # each plane's loads are issued before the plane before it is multiplied (plane 0's
-                # during the group before's values)
+                # each plane's loads are issued before the plane before it is multiplied
+                kw_at, ks_at, kl_at = _k_plane(_record(base, depth, grp, group_tables_ptr, max_groups, 0), kv_head, i,
+                                               w, w_ok, c4, c_ok, k_words_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads,
+                                               HEAD_DIM)
                 for pl in range(0, depth + 1):
                     kw_next, ks_next, kl_next = _k_plane(
                         _record(base, depth, grp, group_tables_ptr, max_groups, pl + 1), kv_head, i, w, w_ok, c4, c_ok,
@@ -289,20 +279,12 @@ def _row_kernel(
                     s_even, s_odd, terms, qsum = _plane_scores(s_even, s_odd, terms, qsum, q4, one, kw_at, ks_at,
                                                                kl_at, EXACT)
                     kw_at, ks_at, kl_at = kw_next, ks_next, kl_next
-                # V's first plane is loaded before the softmax, which it does not depend on
-                rec = _record(base, depth, grp, group_tables_ptr, max_groups, 0)
-                we0, wo0, se0, so0, le0, lo0 = _v_plane(rec, kv_head, i, cw, 0, v_words_ptr, v_scale_ptr, v_lo_ptr,
-                                                        num_kv_heads, word_step, HEAD_DIM, V_GROUPS)
-                if V_GROUPS > 1:
-                    we1, wo1, se1, so1, le1, lo1 = _v_plane(rec, kv_head, i, cw, 1, v_words_ptr, v_scale_ptr, v_lo_ptr,
-                                                            num_kv_heads, word_step, HEAD_DIM, V_GROUPS)
                 # (q4 is 16 q: the shared terms and the biases, 256 and 16 q * scale, are 1/16 of
                 # 16 q . lo, 256 and 16 times qsum / 16)
-                # (added per word before the rows' sums: no sum over the whole program)
-                shared = tl.sum(terms, axis=1) * 0.0625
-                sq = tl.sum(qsum, axis=1)
-                s_even = tl.sum(s_even + (shared - 16.0 * sq)[None, :], axis=1)
-                s_odd = tl.sum(s_odd + (shared - sq)[None, :], axis=1)
+                shared = tl.sum(tl.sum(terms, axis=1), axis=0) * 0.0625
+                sq = tl.sum(tl.sum(qsum, axis=1), axis=0)
+                s_even = tl.sum(s_even, axis=1) + (shared - 16.0 * sq)
+                s_odd = tl.sum(s_odd, axis=1) + (shared - sq)
                 key = start + 2 * i
                 if STORE_SCORES:
                     keep = (key < score_keys) & score_ok
@@ -315,8 +297,6 @@ def _row_kernel(
                 p_even = tl.exp(s_even - m_new)
                 p_odd = tl.exp(s_odd - m_new)
                 l_i = l_i * alpha + tl.sum(p_even, axis=0) + tl.sum(p_odd, axis=0)
-                p_even = tl.broadcast_to(p_even[:, None], [_GROUP // 2, CW])  # V's words' shape, once a group
-                p_odd = tl.broadcast_to(p_odd[:, None], [_GROUP // 2, CW])
                 m_i = m_new
                 a0, a1, a2, a3, a4, a5, a6, a7 = a0 * alpha, a1 * alpha, a2 * alpha, a3 * alpha, a4 * alpha, \
                     a5 * alpha, a6 * alpha, a7 * alpha
@@ -327,21 +307,23 @@ def _row_kernel(
                         b5 * alpha, b6 * alpha, b7 * alpha
                     u1 *= alpha
                     psum1 *= alpha
-                kw_at, ks_at, kl_at = _k_plane(_next_record(start + _GROUP, stop, base, group_tables_ptr, max_groups),
-                                               kv_head, i, w, w_ok, c4, c_ok, k_words_ptr, k_scale_ptr, k_lo_ptr,
-                                               num_kv_heads, HEAD_DIM)
+                rec = _record(base, depth, grp, group_tables_ptr, max_groups, 0)
+                we0, wo0, se0, so0, le0, lo0 = _v_plane(rec, kv_head, i, cw, 0, v_words_ptr, v_scale_ptr, v_lo_ptr,
+                                                        num_kv_heads, HEAD_DIM, V_GROUPS)
+                if V_GROUPS > 1:
+                    we1, wo1, se1, so1, le1, lo1 = _v_plane(rec, kv_head, i, cw, 1, v_words_ptr, v_scale_ptr, v_lo_ptr,
+                                                            num_kv_heads, HEAD_DIM, V_GROUPS)
                 for pl in range(0, depth + 1):
                     rec = _record(base, depth, grp, group_tables_ptr, max_groups, pl + 1)
                     nwe0, nwo0, nse0, nso0, nle0, nlo0 = _v_plane(rec, kv_head, i, cw, 0, v_words_ptr, v_scale_ptr,
-                                                                  v_lo_ptr, num_kv_heads, word_step, HEAD_DIM,
-                                                                  V_GROUPS)
+                                                                  v_lo_ptr, num_kv_heads, HEAD_DIM, V_GROUPS)
                     a0, a1, a2, a3, a4, a5, a6, a7, u0, psum0 = _group_values(
                         a0, a1, a2, a3, a4, a5, a6, a7, u0, psum0, p_even, p_odd, one, we0, wo0, se0, so0, le0, lo0,
                         EXACT)
                     we0, wo0, se0, so0, le0, lo0 = nwe0, nwo0, nse0, nso0, nle0, nlo0
                     if V_GROUPS > 1:
                         nwe1, nwo1, nse1, nso1, nle1, nlo1 = _v_plane(rec, kv_head, i, cw, 1, v_words_ptr, v_scale_ptr,
-                                                                      v_lo_ptr, num_kv_heads, word_step, HEAD_DIM, V_GROUPS)
+                                                                      v_lo_ptr, num_kv_heads, HEAD_DIM, V_GROUPS)
                         b0, b1, b2, b3, b4, b5, b6, b7, u1, psum1 = _group_values(
                             b0, b1, b2, b3, b4, b5, b6, b7, u1, psum1, p_even, p_odd, one, we1, wo1, se1, so1, le1,
                             lo1, EXACT)
@@ -375,7 +357,7 @@ def row_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[tor
         table_offset, tiles_arg, part_o, part_lse, stop, scores, score_rows,
         q.stride(0), q.stride(1), scores.stride(0) if store_scores else 0, scores.stride(1) if store_scores else 0,
         scores.shape[2] if store_scores else 0, num_heads, num_kv_heads, max_groups, max_len, head_dim ** -0.5,
-        num_splits, 0x3F800000, 1, HAS_TILES=has_tiles, HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP),
+        num_splits, 0x3F800000, HAS_TILES=has_tiles, HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP),
         KW=triton.next_power_of_2(head_dim // 4), CW=min(8, triton.next_power_of_2(head_dim // 8)), BLOCK_D=block_d,
         SCAN_GROUPS=SCAN, EXACT=exact, STORE_SCORES=store_scores,
         **({} if num_warps is None else {"num_warps": num_warps}),
