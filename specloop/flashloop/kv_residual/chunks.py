@@ -1,15 +1,21 @@
-"""Prompt chunks over INT4 residual planes: dequantize once, then one dense attention.
+"""Prompt chunks over INT4 residual planes: dequantize once, then one two-source attention.
 
 The packed reader (`specloop.kernels.packed_attention`) decodes every packed key tile again
 for each query tile that reads it, which suits decode rows (one query tile) and costs a
 prompt chunk its whole context once per 64 queries: an 8K prompt's first token took 3.4 s
 against 0.3 s with BF16 pages. A prompt chunk (a group of at least `CHUNK_ROWS` rows, all
-at prompt positions) instead has its context [0, C) read once per layer in both versions
-its queries read (reconstructed where any query does: `packed_keys.read_keys` for a row at
-the chunk's last query position; exact: the BF16 tail), and attends over both in one masked scaled-dot-product attention: query q reads
-key k's reconstruction iff q >= seal(k) (the read rule, `PackedResiduals.seals`) and its
-exact value otherwise, each causally, exactly what the reader reads. The masks and slots depend on the pass only (the
-pass's seals are set before its first layer), so they are built once per pass and chunk.
+at prompt positions) instead has its context [0, C) read once per layer as its last query
+reads it (`packed_keys.read_keys`: reconstructed where that query is at or past the key's
+seal, exact elsewhere), and attends with `chunk_attention.two_source_attention`: query q
+reads key k from that read unless k seals inside the chunk after q (q < seal(k) <= the
+last query's position), then exact from the BF16 tail, each causally: exactly what the
+reader reads (the read rule, `PackedResiduals.seals`). Only key blocks holding such keys
+load tail slots, so the rest is one contiguous read as in a dense prefill. The seals depend
+on the pass only (the pass's seals are set before its first layer), so they are gathered
+once per pass and chunk.
+
+Until 2026-12-06 the chunk attended in one masked scaled-dot-product attention over both
+versions of its whole context (2C keys, a [rows, 2C] additive mask built per pass).
 
 The chunk rows are left out of the reader's query tiles (`ResidualBatch.left_out`) and such
 passes run eager (variable shapes): prefill passes do anyway.
@@ -21,9 +27,8 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from specloop.kernels.chunk_attention import NEVER, two_source_attention
 from specloop.kernels.packed_keys import read_keys
 
 CHUNK_ROWS = 64  # a group of at least this many prompt rows attends as a chunk
@@ -50,56 +55,34 @@ class PromptChunks(list):
 class ChunkReads:
     """What a chunk reads, the same at every layer of a pass: one row for the key reader
     (`packed_keys.read_keys`) at the chunk's last query position, which reads each key
-    reconstructed where any query of the chunk does; the exact keys' slots in the BF16 tail
-    and which of them any query reads exact (the others' pages may be gone); and the
-    additive mask over [keys as the last query reads them, exact keys] ([1, 1, rows, 2C] in
-    the model dtype: 0 where the query reads that version, -inf else)."""
+    reconstructed where any query of the chunk does, and each key's seal at the chunk's
+    plane (int32 [C]), from which the attention picks per (query, key) between that read
+    and the BF16 tail."""
 
     cells: torch.Tensor  # [1] long
     depths: torch.Tensor  # [1] long
-    positions: torch.Tensor  # [1] long: the last query's
+    last: torch.Tensor  # [1] long: the last query's position
     table_offsets: torch.Tensor  # [1] long
-    slots: torch.Tensor  # [C] long
-    exact: torch.Tensor  # [C, 1, 1] bool
-    mask: torch.Tensor  # [1, 1, rows, 2C]
+    seals: torch.Tensor  # [C] int32
 
 
-def chunk_reads(planes: Any, chunk: PromptChunk, positions: torch.Tensor, tables: torch.Tensor, page_size: int,
-                dtype: torch.dtype) -> ChunkReads:
+def chunk_reads(planes: Any, chunk: PromptChunk, positions: torch.Tensor) -> ChunkReads:
     """The chunk's reads (`planes`: the `PackedResiduals`; `positions`: the pass's rows'
-    positions); no host sync. A query reads key k reconstructed iff its position is at or
-    past k's seal, so the last query reads k reconstructed iff any query does."""
+    positions); no host sync."""
     device = positions.device
     keys = torch.arange(chunk.context, device=device)
     one = lambda value: torch.full((1,), value, dtype=torch.long, device=device)  # noqa: E731
-    seal = planes.seals(one(chunk.cell), chunk.depth, keys[None])[0]
-    q = positions[chunk.first: chunk.first + chunk.rows, None]
-    causal = keys[None] <= q
-    sealed = q >= seal[None]
-    exact = ~sealed & causal
-    allowed = torch.cat([sealed & causal, exact], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    pages = tables[chunk.table: chunk.table + -(-chunk.context // page_size)]
-    slots = pages[keys // page_size] * page_size + keys % page_size
-    return ChunkReads(one(chunk.cell), one(chunk.depth), q.max()[None], one(chunk.table), slots,
-                      exact.any(0)[:, None, None], mask[None, None])
+    seals = planes.seals(one(chunk.cell), chunk.depth, keys[None])[0].clamp(max=NEVER).to(torch.int32)
+    last = positions[chunk.first: chunk.first + chunk.rows].max()[None]
+    return ChunkReads(one(chunk.cell), one(chunk.depth), last, one(chunk.table), seals)
 
 
 def chunk_attention(planes: Any, layer: int, q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor,
                     tables: torch.Tensor, page_size: int, chunk: PromptChunk, reads: ChunkReads,
-                    scale: float) -> torch.Tensor:
-    """The chunk's rows' attention output [rows, Hq, D] (`q`: those rows' queries; `k_tail`,
-    `v_tail`: this layer's BF16 pages, [S, Hkv, D])."""
-    k_last, v_last = read_keys(k_tail, v_tail, tables, page_size, planes.layer_view(layer), reads.cells,
-                               reads.depths, reads.positions, reads.table_offsets, chunk.context)
-    zero = torch.zeros((), dtype=k_tail.dtype, device=q.device)
-    k = torch.cat([k_last[0], torch.where(reads.exact, k_tail[reads.slots], zero)])  # [2C, Hkv, D]
-    v = torch.cat([v_last[0], torch.where(reads.exact, v_tail[reads.slots], zero)])
-    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    kw = {"attn_mask": reads.mask, "scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
-    if q.dtype in (torch.float32, torch.float64):  # the math kernel: fused ones may round fp32 products as TF32
-        with sdpa_kernel(SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(*args, **kw)
-    else:
-        out = F.scaled_dot_product_attention(*args, **kw)
-    return out[0].transpose(0, 1)
+                    positions: torch.Tensor) -> torch.Tensor:
+    """The chunk's rows' attention output [rows, Hq, D] (`q`, `positions`: those rows';
+    `k_tail`, `v_tail`: this layer's BF16 pages, [S, Hkv, D])."""
+    k_read, v_read = read_keys(k_tail, v_tail, tables, page_size, planes.layer_view(layer), reads.cells,
+                               reads.depths, reads.last, reads.table_offsets, chunk.context)
+    return two_source_attention(q, k_read[0], v_read[0], k_tail, v_tail, tables, chunk.table, page_size, positions,
+                                reads.seals, reads.last)

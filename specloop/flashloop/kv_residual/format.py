@@ -95,11 +95,10 @@ class PackedPlanes(PagedKV):
         for i, chunk in enumerate(state.chunks):
             reads = state.reads.get(i)
             if reads is None:
-                reads = state.reads[i] = chunk_reads(self.planes, chunk, state.positions, state.tables,
-                                                     self.page_size, q.dtype)
+                reads = state.reads[i] = chunk_reads(self.planes, chunk, state.positions)
             rows = slice(chunk.first, chunk.first + chunk.rows)
             out[rows] = chunk_attention(self.planes, layer, q[rows], self.k[layer], self.v[layer], state.tables,
-                                        self.page_size, chunk, reads, q.shape[-1] ** -0.5)
+                                        self.page_size, chunk, reads, state.positions[rows])
             if layer == 0:
                 self.chunk_rows += chunk.rows
         return out, lse

@@ -1,0 +1,115 @@
+"""Where one prompt's prefill (time to first token) goes on the GPU, per FlashLoop variant.
+
+    python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b
+    python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 \
+        --out bench/results/profile_prefill_8k_h200.json
+
+Per variant (dense; int4: --kv-residual-quantization '{}'; int4-exec: the same with the
+execution policy; sparse: token-sparse prefill; all: the three updates), one engine
+(random ouro-1.4b bf16, CUDA graphs for decode as the engine's defaults, 2048 rows a plan)
+runs a warm-up prompt (Triton compiles), then the same-length prompt with max_tokens 1:
+- ttft_s: wall time from add_request to the first token (best of --reps);
+- under torch.profiler, one more such prompt: CUDA kernel time in total and the kernels that
+  take most of it (ms for the whole prompt), and the forward calls it took.
+Wall minus kernel time is what the GPU sits idle (host work of eager prefill passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specloop.engine.config import EngineConfig  # noqa: E402
+from specloop.engine.core import EngineCore  # noqa: E402
+from specloop.sampling_params import SamplingParams  # noqa: E402
+
+VARIANTS = {
+    "dense": {},
+    "int4": {"kv_residual_quantization": {}},
+    "int4-exec": {"kv_residual_quantization": {"policy": "execution"}},
+    "sparse": {"token_sparse_prefill": {}},
+    "all": {"kv_residual_quantization": {}, "token_sparse_prefill": {}, "sparse_decode_attention": {}},
+}
+
+
+def _prefill(engine: EngineCore, rid: str, prompt: list[int]) -> float:
+    t = time.perf_counter()
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while True:
+        if any(o.token_ids for o in engine.step()):
+            break
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    engine.drain()
+    return dt
+
+
+def _variant(name: str, args: argparse.Namespace) -> dict:
+    engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=16,
+                                     max_num_batched_tokens=args.rows, max_model_len=args.max_model_len,
+                                     **VARIANTS[name]))
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.reps + 2)]
+    warm = _prefill(engine, "warm", prompts[0])
+    ttfts = [_prefill(engine, f"r{i}", prompts[1 + i]) for i in range(args.reps)]
+    n0 = engine.executor.num_submitted
+    with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as prof:
+        wall = _prefill(engine, "prof", prompts[-1])
+    calls = engine.executor.num_submitted - n0
+    kernels: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            kernels[e.key] += t
+            counts[e.key] += e.count
+    kernel_ms = sum(kernels.values()) / 1e3
+    record = {"variant": name, "features": VARIANTS[name], "prompt": args.prompt, "warm_s": warm,
+              "ttft_s": min(ttfts), "ttfts_s": ttfts, "profiled_wall_s": wall, "forward_calls": calls,
+              "kernel_ms": kernel_ms, "gpu_idle_fraction": max(0.0, 1 - kernel_ms / 1e3 / wall),
+              "top_kernels_ms": {k: v / 1e3 for k, v in kernels.most_common(args.top)},
+              "top_kernels_calls": {k: counts[k] for k, _ in kernels.most_common(args.top)}}
+    del engine
+    torch.cuda.empty_cache()
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompt", type=int, default=8192)
+    p.add_argument("--rows", type=int, default=2048, help="max_num_batched_tokens")
+    p.add_argument("--max-model-len", type=int, default=33024)
+    p.add_argument("--variants", default="dense,int4")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--top", type=int, default=16)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    cases = []
+    for name in args.variants.split(","):
+        cases.append(_variant(name, args))
+        c = cases[-1]
+        print(f"== {name}: ttft {c['ttft_s'] * 1e3:.1f} ms (warm-up {c['warm_s']:.1f} s), profiled "
+              f"{c['profiled_wall_s'] * 1e3:.1f} ms over {c['forward_calls']} calls, kernels {c['kernel_ms']:.1f} ms",
+              flush=True)
+        for k, v in c["top_kernels_ms"].items():
+            print(f"   {v:8.2f} ms {c['top_kernels_calls'][k]:6d}x  {k[:110]}")
+    record = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+              "torch": torch.__version__, "cases": cases}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
