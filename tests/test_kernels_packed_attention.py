@@ -711,3 +711,25 @@ def test_tiles_leave_other_rows_and_dispatch():
         torch.testing.assert_close(lse[done], want_lse[done], atol=1e-5, rtol=1e-5)
     with pytest.raises(AssertionError, match="one cell, depth"):
         packed_attention_reference(*case.args(), tiles=torch.tensor([[3, 2, 0]], device=DEVICE), tile_rows=2)
+
+
+@pytest.mark.parametrize("heads, dtype", [(2, torch.float32), (4, torch.bfloat16)])
+def test_min_split_keys_reads_like_reference(heads, dtype):
+    """With `min_split_keys` (the engine's graphs launch the splits of the longest context and
+    a shorter one takes fewer) splits past a row's context read nothing and the three passes
+    (one-lane for GQA 1, tensor-core for GQA 2, the general kernel after them) still agree on
+    each split's keys: decode rows and three-row tiles, 8 splits of at least 128 keys over
+    contexts up to 150 (two splits read, six do not), within the reference's tolerance."""
+    rows = [(0, d, pos) for d in range(PLANES) for pos in (149, 130, 70)] + [(1, 3, 99), (1, 0, 64), (2, 2, 79)]
+    case = _case(11, [150, 100, 80], ["mixed", "sealed", "open"], rows, heads, 2, 64, dtype, keep=1.0, shift=False)
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    kw = dict(return_lse=True, num_splits=8, block_n=64, min_split_keys=128)
+    offsets = case.table_offset.tolist()
+    tiles = torch.tensor([[first, 3, offsets[first]] for first in range(0, 12, 3)]
+                         + [[i, 1, offsets[i]] for i in range(12, len(rows))], dtype=torch.int32, device=DEVICE)
+    for how in (dict(), dict(tiles=tiles, tile_rows=3), dict(sealed=False)):
+        out, lse = packed_attention_triton(*case.args(), **how, **kw)
+        torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+    with pytest.raises(AssertionError, match="min_split_keys"):
+        packed_attention_triton(*case.args(), **dict(kw, min_split_keys=96))

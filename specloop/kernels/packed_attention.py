@@ -65,7 +65,10 @@ for keys no pair reads sealed and the exact ones 0 for keys no pair reads exact,
 product never meets storage no pair of the tile reads. `read_keys` exposes a one-row
 tile's gather (`_key_block`), so tests check the kernel's reconstruction bit for bit.
 Split-KV (`num_splits`) gives each split an equal share of the tile's keys and combines
-each row's partial outputs by their lse, as `paged_attention` does. With `scores` /
+each row's partial outputs by their lse, as `paged_attention` does; with `min_split_keys`
+no split takes fewer keys than that (the last splits of a short context then read
+nothing), so a CUDA graph captured with the splits of the longest context a bucket may
+see reads a shorter one in fewer, longer splits (the engine: `MIN_SPLIT_KEYS`). With `scores` /
 `score_rows` (STORE_SCORES) a row with a scores row also stores its scaled scores of keys
 0..pos there, as `paged_attention` does, for sparse decode's loop-2 select.
 
@@ -114,14 +117,14 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # --- Triton ---------------------------------------------------------------------------
 
 # (score_rows_ptr is the positions array itself in a launch that keeps no scores)
-@triton.jit(do_not_specialize=["splits"],
+@triton.jit(do_not_specialize=["splits", "min_split"],
             do_not_specialize_on_alignment=_INDEX_POINTERS + ["scores_ptr", "score_rows_ptr"])
 def _attention_kernel(
     q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
     v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
     tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stop_ptr, scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
-    stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale, splits,
+    stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale, splits, min_split,
     PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr,
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
@@ -144,7 +147,7 @@ def _attention_kernel(
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                     mask=lane_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
-        chunk = tl.cdiv(tl.cdiv(context, splits), ALIGN) * ALIGN
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(context, splits), ALIGN) * ALIGN, min_split)
         lo = split * chunk
         hi = tl.minimum(context, lo + chunk)
         slot = split
@@ -259,6 +262,9 @@ def _check_tiles(tiles: torch.Tensor | None, tile_rows: int | None) -> int:
     return tile_rows
 
 
+MIN_SPLIT_KEYS = 512  # the engine's min_split_keys: the most splits packed_splits gives a context
+
+
 def packed_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Split-KV for the packed reader: `choose_splits`, then more splits (up to 64, none
     under 512 keys) while the grid stays within 8 waves of the GPU. Its per-key cost is
@@ -267,6 +273,7 @@ def packed_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: 
     `choose_splits`' 17, which stay best at 8K (bench/results/packed_reader_sweep_h200.json;
     only batch 1 was swept)."""
     base = choose_splits(num_tiles, num_kv_heads, max_context, num_sms)
+    # (with min_split_keys = MIN_SPLIT_KEYS the kernels use fewer of them on a shorter context)
     waves = max(1, 8 * num_sms // max(1, num_tiles * num_kv_heads))
     return max(base, min(64, waves, max_context // 512))
 
@@ -278,7 +285,8 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             block_n: int = 32, out: torch.Tensor | None = None, num_warps: int | None = None,
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
                             sealed: bool = True, sealed_warps: int | None = None, sealed_chunk: int = 32,
-                            sealed_row: bool = True, max_registers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            sealed_row: bool = True, max_registers: int | None = None,
+                            min_split_keys: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`): with
     `sealed` (and a head dim `packed_sealed.supported` takes) the sealed pass first, then the
     general kernel from each split's stop key; the combine when split or sealed. No host sync
@@ -291,6 +299,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     rows = (cell, depth, position, table_offset)
     _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
+    assert min_split_keys % max(block_n, packed_sealed.GROUP) == 0, "min_split_keys: a multiple of the key blocks"
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_tail.shape[1]
     gqa = num_heads // num_kv_heads
@@ -325,14 +334,14 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     if one_lane:
         packed_sealed_row.row_pass(
             q, _storage(k_tail, v_tail, tables, packed)[3:], rows, tiles_arg, part_o, part_lse, stop, num_tiles,
-            num_splits, has_tiles=tiles is not None, num_kv_heads=num_kv_heads,
+            num_splits, min_split_keys, has_tiles=tiles is not None, num_kv_heads=num_kv_heads,
             max_groups=packed.group_tables.shape[2], max_len=packed.row_maps.shape[2], planes=packed.planes,
             block_d=common["BLOCK_D"], exact=q.dtype == torch.float32, store_scores=store_scores,
             scores=scores_arg, score_rows=score_rows_arg, num_warps=sealed_warps)
     if sealed and not (one_lane and (tiles is None or tile_rows == 1)):
         packed_sealed.sealed_pass(
             q, _storage(k_tail, v_tail, tables, packed)[3:], rows, tiles_arg, part_o, part_lse, stop, num_tiles,
-            num_splits, tile_rows=tile_rows, has_tiles=tiles is not None, num_kv_heads=num_kv_heads,
+            num_splits, min_split_keys, tile_rows=tile_rows, has_tiles=tiles is not None, num_kv_heads=num_kv_heads,
             max_groups=packed.group_tables.shape[2], max_len=packed.row_maps.shape[2], planes=packed.planes,
             block_m=block_m, block_g=bg, block_d=common["BLOCK_D"], dot_fp32=dot_fp32, dot_dtype=dot_dtype,
             store_scores=store_scores, scores=scores_arg, score_rows=score_rows_arg, num_warps=sealed_warps,
@@ -344,6 +353,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         out.stride(0), out.stride(1), lse_stride, scores.stride(0) if store_scores else 0,
         scores.stride(1) if store_scores else 0, scores.shape[2] if store_scores else 0,
         num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5, num_splits,
+        min_split_keys,
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=slots > 1, ALIGN=max(block_n, packed_sealed.GROUP),
         DOT_FP32=dot_fp32, DOT_DTYPE=dot_dtype, WRITE_LSE=return_lse, STORE_SCORES=store_scores,
@@ -428,7 +438,7 @@ def packed_attention(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor
                      position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
                      tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
                      block_n: int = 32, out: torch.Tensor | None = None, scores: torch.Tensor | None = None,
-                     score_rows: torch.Tensor | None = None,
+                     score_rows: torch.Tensor | None = None, min_split_keys: int = 0,
                      use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out [N, Hq, D] (q's dtype) and, with return_lse, lse [N, Hq] fp32: each row's
     attention over keys 0..position as the read rule gives them (module docstring); with
@@ -438,7 +448,11 @@ def packed_attention(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor
     scaled scores q . k / sqrt(D) of keys 0..pos (below `keys`) also go to
     scores[score_rows[i]], as `paged_attention` keeps them (sparse decode's loop-2 select
     reads them: no second read of the packed keys)."""
-    fn = packed_attention_triton if _use_triton(q, use_triton) else packed_attention_reference
-    return fn(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset, tiles=tiles,
-              tile_rows=tile_rows, return_lse=return_lse, num_splits=num_splits, block_n=block_n, out=out,
-              scores=scores, score_rows=score_rows)
+    if not _use_triton(q, use_triton):
+        return packed_attention_reference(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position,
+                                          table_offset, tiles=tiles, tile_rows=tile_rows, return_lse=return_lse,
+                                          out=out, scores=scores, score_rows=score_rows)
+    return packed_attention_triton(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset,
+                                   tiles=tiles, tile_rows=tile_rows, return_lse=return_lse, num_splits=num_splits,
+                                   block_n=block_n, out=out, scores=scores, score_rows=score_rows,
+                                   min_split_keys=min_split_keys)

@@ -219,7 +219,7 @@ def _store_half(part_o_ptr, at, acc_even, acc_odd, l_safe, ch0: tl.constexpr, GW
     tl.store(part_o_ptr + at[:, None] * BLOCK_D + ch[None, :] + 1, acc_odd / l_safe[:, None], mask=ok)
 
 
-@triton.jit(do_not_specialize=["splits"],
+@triton.jit(do_not_specialize=["splits", "min_split"],
             do_not_specialize_on_alignment=["cell_ptr", "depth_ptr", "position_ptr", "table_offset_ptr", "tiles_ptr",
                                             "scores_ptr", "score_rows_ptr"])
 def _sealed_kernel(
@@ -227,7 +227,7 @@ def _sealed_kernel(
     row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr, tiles_ptr, part_o_ptr, part_lse_ptr,
     stop_ptr, scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale,
-    splits,
+    splits, min_split,
     GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, GW: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, SCAN_GROUPS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -241,7 +241,7 @@ def _sealed_kernel(
     if SKIP_ONE_ROW:  # one-row tiles are packed_sealed_row's
         live = live & (rows > 1)
     if live:
-        chunk = tl.cdiv(tl.cdiv(context, splits), _GROUP) * _GROUP
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(context, splits), _GROUP) * _GROUP, min_split)
         lo = split * chunk
         hi = tl.minimum(context, lo + chunk)
         end = lo + tl.maximum(hi - lo, 0) // _GROUP * _GROUP  # the split's whole groups end here
@@ -325,7 +325,7 @@ def _sealed_kernel(
 
 def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
                 tiles_arg: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, stop: torch.Tensor,
-                num_tiles: int, num_splits: int, *, tile_rows: int, has_tiles: bool, num_kv_heads: int,
+                num_tiles: int, num_splits: int, min_split: int, *, tile_rows: int, has_tiles: bool, num_kv_heads: int,
                 max_groups: int, max_len: int, planes: int, block_m: int, block_g: int, block_d: int,
                 dot_fp32: bool, dot_dtype, store_scores: bool, scores: torch.Tensor, score_rows: torch.Tensor,
                 num_warps: int | None = None, chunk: int = 32, skip_one_row: bool = False) -> None:
@@ -342,7 +342,7 @@ def sealed_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[
         table_offset, tiles_arg, part_o, part_lse, stop, scores, score_rows,
         q.stride(0), q.stride(1), scores.stride(0) if store_scores else 0, scores.stride(1) if store_scores else 0,
         scores.shape[2] if store_scores else 0, num_heads, num_kv_heads, max_groups, max_len, head_dim ** -0.5,
-        num_splits, GQA=num_heads // num_kv_heads, BLOCK_G=block_g, TILE_ROWS=tile_rows, HAS_TILES=has_tiles,
+        num_splits, min_split, GQA=num_heads // num_kv_heads, BLOCK_G=block_g, TILE_ROWS=tile_rows, HAS_TILES=has_tiles,
         HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP), GW=channel_group(head_dim),
         BLOCK_M=block_m, BLOCK_D=block_d, SCAN_GROUPS=SCAN, DOT_FP32=dot_fp32, DOT_DTYPE=dot_dtype, BIAS=bias,
         STORE_SCORES=store_scores, CHUNK=min(chunk, block_d), SKIP_ONE_ROW=skip_one_row,

@@ -196,7 +196,7 @@ def _store_group(part_o_ptr, at, a0, a1, a2, a3, a4, a5, a6, a7, u, psum, l_safe
     tl.store(out + 7, (tl.sum(a7, axis=0) + odd) / l_safe, mask=ok)
 
 
-@triton.jit(do_not_specialize=["splits", "one"],
+@triton.jit(do_not_specialize=["splits", "min_split", "one"],
             do_not_specialize_on_alignment=["cell_ptr", "depth_ptr", "position_ptr", "table_offset_ptr", "tiles_ptr",
                                             "scores_ptr", "score_rows_ptr"])
 def _row_kernel(
@@ -204,7 +204,7 @@ def _row_kernel(
     row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr, tiles_ptr, part_o_ptr, part_lse_ptr,
     stop_ptr, scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale,
-    splits, one,
+    splits, min_split, one,
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
     KW: tl.constexpr, CW: tl.constexpr, BLOCK_D: tl.constexpr, SCAN_GROUPS: tl.constexpr, EXACT: tl.constexpr,
     STORE_SCORES: tl.constexpr,
@@ -216,7 +216,7 @@ def _row_kernel(
     if rows == 1:  # (longer tiles are the tensor-core pass's; padding tiles have none)
         pos = tl.load(position_ptr + first).to(tl.int32)
         if pos >= 0:
-            chunk = tl.cdiv(tl.cdiv(pos + 1, splits), _GROUP) * _GROUP
+            chunk = tl.maximum(tl.cdiv(tl.cdiv(pos + 1, splits), _GROUP) * _GROUP, min_split)
             lo = split * chunk
             hi = tl.minimum(pos + 1, lo + chunk)
             end = lo + tl.maximum(hi - lo, 0) // _GROUP * _GROUP
@@ -341,7 +341,7 @@ def _row_kernel(
 
 def row_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
              tiles_arg: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, stop: torch.Tensor,
-             num_tiles: int, num_splits: int, *, has_tiles: bool, num_kv_heads: int, max_groups: int, max_len: int,
+             num_tiles: int, num_splits: int, min_split: int, *, has_tiles: bool, num_kv_heads: int, max_groups: int, max_len: int,
              planes: int, block_d: int, exact: bool, store_scores: bool, scores: torch.Tensor,
              score_rows: torch.Tensor, num_warps: int | None = None) -> None:
     """Launch the one-lane pass over (tiles, KV heads, splits) for the one-row tiles (every
@@ -357,7 +357,7 @@ def row_pass(q: torch.Tensor, storage: tuple[torch.Tensor, ...], rows: tuple[tor
         table_offset, tiles_arg, part_o, part_lse, stop, scores, score_rows,
         q.stride(0), q.stride(1), scores.stride(0) if store_scores else 0, scores.stride(1) if store_scores else 0,
         scores.shape[2] if store_scores else 0, num_heads, num_kv_heads, max_groups, max_len, head_dim ** -0.5,
-        num_splits, 0x3F800000, HAS_TILES=has_tiles, HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP),
+        num_splits, min_split, 0x3F800000, HAS_TILES=has_tiles, HEAD_DIM=head_dim, PLANES=planes, V_GROUPS=triton.cdiv(head_dim, GROUP),
         KW=triton.next_power_of_2(head_dim // 4), CW=min(8, triton.next_power_of_2(head_dim // 8)), BLOCK_D=block_d,
         SCAN_GROUPS=SCAN, EXACT=exact, STORE_SCORES=store_scores,
         **({} if num_warps is None else {"num_warps": num_warps}),

@@ -13,7 +13,7 @@ import torch
 
 from specloop.flashloop.kv_residual.batch import ResidualPass
 from specloop.flashloop.kv_residual.chunks import ChunkReads, PromptChunk, PromptChunks, chunk_attention, chunk_reads
-from specloop.kernels.packed_attention import packed_attention, packed_splits
+from specloop.kernels.packed_attention import MIN_SPLIT_KEYS, packed_attention, packed_splits
 from specloop.kernels.sparse_decode_common import PackedRows
 from specloop.runtime.kv_format import KeyReader, PagedKV
 from specloop.flashloop.kv_residual.planes import EncodePlan, PackedResiduals
@@ -91,7 +91,7 @@ class PackedPlanes(PagedKV):
                                     self.planes.layer_view(layer), state.cells, state.depths, state.positions,
                                     meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
                                     tile_rows=meta.tile_rows, out=out, return_lse=return_lse, scores=scores,
-                                    score_rows=score_rows)
+                                    score_rows=score_rows, min_split_keys=MIN_SPLIT_KEYS)
         for i, chunk in enumerate(state.chunks):
             reads = state.reads.get(i)
             if reads is None:
