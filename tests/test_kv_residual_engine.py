@@ -501,12 +501,38 @@ def test_a_restore_takes_only_the_pages_not_given_back(tiny_ckpt, refs):
 
 
 def test_swap_preemption_carries_the_packed_planes(tiny_ckpt, refs):
-    """preemption_mode swap in a pool too small for all three: swapped-out requests come back
-    through snapshots of their packed planes and still emit the reference's tokens."""
+    """preemption_mode swap: requests swapped out mid-prompt and while decoding come back
+    through snapshots of their packed planes and still emit the reference's tokens. (The
+    swaps are forced: admission keeps prompts that grow together from preempting each other,
+    `test_prompts_growing_together_do_not_preempt_each_other`.)"""
     engine = _engine(tiny_ckpt, num_kv_pages=150, max_num_batched_tokens=64, preemption_mode="swap")
-    got = _run(engine, {f"r{p}": PROMPTS[p] for p in (2, 0, 1)})
+    steps = [0]
+
+    def swap_some(e: EngineCore) -> None:
+        steps[0] += 1
+        running = [r for r in e.scheduler.running if r.num_preemptions < 2]
+        if len(running) > 1 and steps[0] % 4 == 2:
+            e.scheduler.preempt(running[-1])
+    got = _run(engine, {f"r{p}": PROMPTS[p] for p in (2, 0, 1)}, each_step=swap_some)
     _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
-    assert engine.scheduler.num_preemptions > 0, "the pool must force a swap"
+    assert engine.scheduler.num_preemptions >= 3
+
+
+def test_prompts_growing_together_do_not_preempt_each_other(tiny_ckpt, refs):
+    """Three prompts at once in a pool that holds one prompt's BF16 planes (27 x 4 pages of 8)
+    plus a little: admission counts the pages at once and the records of the prompts already
+    entering theirs, so none is preempted (before 2026-12-06 this pool forced preemptions:
+    admission counted a prompt's first plan), the tail pages released behind one prompt serve
+    the next, and every request emits the reference's tokens."""
+    engine = _engine(tiny_ckpt, num_kv_pages=150, max_num_batched_tokens=64)
+    most = [0]
+
+    def watch(e: EngineCore) -> None:
+        most[0] = max(most[0], len(e.scheduler.running))
+    got = _run(engine, {f"r{p}": PROMPTS[p] for p in (2, 0, 1)}, each_step=watch)
+    _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
+    assert engine.scheduler.num_preemptions == 0
+    assert most[0] >= 2
 
 
 def test_a_snapshot_without_packed_planes_is_refused(tiny_ckpt):

@@ -273,10 +273,27 @@ class KVManager:
         then a prompt takes its pages a plan's rows at a time, and plans carry release scans."""
         return self.plane_spans is not None
 
+    def records_for_new(self, num_tokens: int, prompt_len: int) -> int:
+        """Records a new request covering `num_tokens` positions takes (0 without a record pool)."""
+        return self.records.records_for(None, num_tokens, prompt_len) if self.records is not None else 0
+
+    @property
+    def num_free_records(self) -> int:
+        return self.records.num_free if self.records is not None else 0
+
     def records_free_for(self, num_tokens: int, prompt_len: int) -> bool:
         """Whether the free records cover a new request of `num_tokens` positions (no record
         pool: always)."""
         return self.records is None or self.records.records_for(None, num_tokens, prompt_len) <= self.records.num_free
+
+    def prompt_claim(self, rid: str, reserve_tokens: int, prompt_tokens: int) -> tuple[int, int]:
+        """(pages, records) a request still entering its prompt may take before the prompt is
+        in: pages up to its pages at once (`pages_at_once`), records for every prompt position
+        (records are kept to the end). With INT4 residuals a prompt's tables grow a plan at a
+        time, so admission counts these for the prompts already running (`Scheduler`)."""
+        pages = max(0, self.pages_at_once(reserve_tokens) - self.held_pages(rid))
+        records = self.records.records_for(rid, prompt_tokens) if self.records is not None else 0
+        return pages, records
 
     def pages_at_once(self, num_tokens: int) -> int:
         """The most pages a request covering `num_tokens` positions holds at one time: all
