@@ -143,6 +143,8 @@ def main() -> None:
                         "tile; off: the general kernel alone")
     p.add_argument("--sealed-warps", default="default", help="the sealed pass's warps, comma-separated")
     p.add_argument("--sealed-chunk", default="32", help="channels a sealed score product takes, comma-separated")
+    p.add_argument("--exact-gap", default="engine",
+                   help="exact_gap, comma-separated (engine: the tail, as the engine passes it; 0: off)")
     p.add_argument("--min-split", default="engine",
                    help="min_split_keys, comma-separated (engine: MIN_SPLIT_KEYS; 0: equal shares of the context)")
     args = p.parse_args()
@@ -187,9 +189,10 @@ def main() -> None:
             for block_n in (int(x) for x in args.block_n.split(",")):
                 for splits_arg in args.splits.split(","):
                     splits = packed_engine_splits if splits_arg == "engine" else int(splits_arg)
-                    for warps_arg, regs_arg, sealed, sealed_warps, chunk, min_split_arg in itertools.product(
+                    for warps_arg, regs_arg, sealed, sealed_warps, chunk, min_split_arg, gap_arg in itertools.product(
                             args.warps.split(","), args.max_registers.split(","), args.sealed.split(","),
-                            args.sealed_warps.split(","), args.sealed_chunk.split(","), args.min_split.split(",")):
+                            args.sealed_warps.split(","), args.sealed_chunk.split(","), args.min_split.split(","),
+                            args.exact_gap.split(",")):
                         if sealed == "off" and (sealed_warps, chunk) != ENGINE_SEALED[1:]:
                             continue  # (the sealed pass's own knobs mean nothing without it)
                         if sealed == "on" and chunk != ENGINE_SEALED[2] and args.heads == args.kv_heads:
@@ -197,20 +200,21 @@ def main() -> None:
                         warps = None if warps_arg == "default" else int(warps_arg)
                         regs = None if regs_arg == "default" else int(regs_arg)
                         min_split = MIN_SPLIT_KEYS if min_split_arg == "engine" else int(min_split_arg)
-                        label = (f"block_n {block_n}, {splits} splits (min {min_split} keys), warps {warps_arg}, "
+                        gap = args.tail if gap_arg == "engine" else int(gap_arg)
+                        label = (f"block_n {block_n}, {splits} splits (min {min_split} keys), exact gap {gap}, warps {warps_arg}, "
                                  f"registers {regs_arg}, "
                                  f"sealed {sealed} (warps {sealed_warps}, chunk {chunk})")
                         kw = {"num_splits": splits, "block_n": block_n, "num_warps": warps, "max_registers": regs,
                               "sealed": sealed != "off", "sealed_row": sealed == "on", "sealed_chunk": int(chunk),
                               "sealed_warps": None if sealed_warps == "default" else int(sealed_warps),
-                              "min_split_keys": min_split}
+                              "min_split_keys": min_split, "exact_gap": gap}
 
                         def run() -> None:
                             packed_attention_triton(case["q"], case["k_tail"], case["v_tail"], case["tables"],
                                                     args.page, case["packed"], cell, depth, position, offset, **kw)
                         entry = {"block_n": block_n, "splits": splits, "warps": warps_arg, "max_registers": regs_arg,
                                  "sealed": sealed, "sealed_warps": sealed_warps, "sealed_chunk": chunk,
-                                 "min_split_keys": min_split}
+                                 "min_split_keys": min_split, "exact_gap": gap}
                         try:
                             entry["max_abs_err_vs_reference"] = check(case, (cell, depth, position, offset),
                                                                       args.page, **kw)
@@ -221,7 +225,7 @@ def main() -> None:
                             continue
                         engine = (block_n == ENGINE_BLOCK_N and splits_arg == "engine" and warps is None
                                   and (sealed, sealed_warps, chunk) == ENGINE_SEALED and regs is None
-                                  and min_split_arg == "engine")
+                                  and min_split_arg == "engine" and gap_arg == "engine")
                         row["packed"].append(entry | {"ms": ms, "gbs": packed_bytes / ms / 1e6, "over_bf16": ms / bf16,
                                                       "engine": engine})
                         print(f"  {label}: {ms * 1e3:.1f} us ({ms / bf16:.1f}x BF16){' (engine)' if engine else ''}",

@@ -733,3 +733,43 @@ def test_min_split_keys_reads_like_reference(heads, dtype):
         torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
     with pytest.raises(AssertionError, match="min_split_keys"):
         packed_attention_triton(*case.args(), **dict(kw, min_split_keys=96))
+
+
+def _seals_past_rows(case: Case, gap: int) -> Case:
+    """The case with every record's seal raised to at least its last row's position + gap
+    (what the engine's seals keep: a group seals `tail` or more past its last row)."""
+    maps, tables = case.packed.row_maps.cpu(), case.packed.group_tables.cpu()
+    seal = case.packed.seal.cpu().clone()
+    for c in range(maps.shape[0]):
+        for p in range(maps.shape[1]):
+            positions = (maps[c, p] >= 0).nonzero().flatten()
+            for pos in positions.tolist():
+                rec = int(tables[c, p, int(maps[c, p, pos]) // 64])
+                if rec >= 0 and seal[rec] < NEVER:
+                    seal[rec] = max(int(seal[rec]), pos + gap)
+    return dataclasses.replace(case, packed=dataclasses.replace(case.packed, seal=seal.to(DEVICE)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_gap_skips_the_gather_near_the_rows(dtype):
+    """With `exact_gap` (the engine passes its tail: a group seals at least that far past its
+    last row) key blocks lying within it of every row of a tile are read exact without the
+    row maps and seals: within the reference's tolerance on decode rows and tiles, with splits
+    and with the sealed passes off, on planes whose seals keep the gap; on planes whose seals
+    do not (sealed at 0), the rows then read those keys exact where the reference reads them
+    reconstructed, which shows the blocks take the shortcut."""
+    gap = 40
+    rows = [(0, d, pos) for d in range(PLANES) for pos in (149, 130, 70)] + [(1, 3, 99), (1, 0, 64), (2, 2, 79)]
+    case = _seals_past_rows(_case(13, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, 32, dtype), gap)
+    assert {"exact", "mixed"} <= set(_reads(case))
+    want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
+    for how in (dict(num_splits=1), dict(num_splits=3, sealed=False), dict(num_splits=2, block_n=64)):
+        out, lse = packed_attention_triton(*case.args(), return_lse=True, exact_gap=gap, **how)
+        torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
+    sealed = _case(13, [150, 100, 80], ["sealed", "sealed", "sealed"], rows, 4, 2, 32, dtype)
+    want, _ = packed_attention_reference(*sealed.args(), return_lse=True)
+    out, _ = packed_attention_triton(*sealed.args(), sealed=False, exact_gap=gap)
+    torch.testing.assert_close(packed_attention_triton(*sealed.args(), sealed=False)[0].float(), want.float(),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert (out.float() - want.float()).abs().max() > 10 * TOLERANCE[dtype]

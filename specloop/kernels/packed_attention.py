@@ -68,7 +68,12 @@ Split-KV (`num_splits`) gives each split an equal share of the tile's keys and c
 each row's partial outputs by their lse, as `paged_attention` does; with `min_split_keys`
 no split takes fewer keys than that (the last splits of a short context then read
 nothing), so a CUDA graph captured with the splits of the longest context a bucket may
-see reads a shorter one in fewer, longer splits (the engine: `MIN_SPLIT_KEYS`). With `scores` /
+see reads a shorter one in fewer, longer splits (the engine: `MIN_SPLIT_KEYS`). With
+`exact_gap` g > 0 the caller promises that every record's seal lies at least g past its
+last row's position (the engine's tail), so a key within g of a row's position reads exact
+for it: a key block of the general kernel lying within g of every row of its tile loads its
+tail slots without the row maps, group tables and seals (a decode row's last groups, whose
+dependent gathers made the general kernel 22 us a call at batch 1 after 8K on the H100). With `scores` /
 `score_rows` (STORE_SCORES) a row with a scores row also stores its scaled scores of keys
 0..pos there, as `paged_attention` does, for sparse decode's loop-2 select.
 
@@ -117,7 +122,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # --- Triton ---------------------------------------------------------------------------
 
 # (score_rows_ptr is the positions array itself in a launch that keeps no scores)
-@triton.jit(do_not_specialize=["splits", "min_split"],
+@triton.jit(do_not_specialize=["splits", "min_split", "exact_gap"],
             do_not_specialize_on_alignment=_INDEX_POINTERS + ["scores_ptr", "score_rows_ptr"])
 def _attention_kernel(
     q_ptr, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
@@ -125,7 +130,7 @@ def _attention_kernel(
     tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stop_ptr, scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
     stride_sr, stride_sh, score_keys, num_heads, num_kv_heads, max_groups, max_len, scale, splits, min_split,
-    PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr,
+    exact_gap, PAGE_SIZE: tl.constexpr, GQA: tl.constexpr, BLOCK_G: tl.constexpr, TILE_ROWS: tl.constexpr,
     HAS_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr, WRITE_LSE: tl.constexpr,
@@ -163,9 +168,14 @@ def _attention_kernel(
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
             seen = j_ok[None, :] & (j[None, :] <= pos[:, None])
-            r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
-                                                         max_groups, max_len, PLANES)
-            seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
+            if start + exact_gap >= context:  # every key within exact_gap of every row: exact, no gather
+                r0 = tl.zeros_like(j) - 1
+                c0, r1, c1, r2, c2, r3, c3 = r0, r0, r0, r0, r0, r0, r0
+                seal = tl.zeros_like(j) + 2147483647
+            else:
+                r0, c0, r1, c1, r2, c2, r3, c3 = _block_rows(j, j_ok, cell, depth, group_tables_ptr, row_maps_ptr,
+                                                             max_groups, max_len, PLANES)
+                seal = _key_seals(j, seal_ptr, r0, c0, r1, c1, r2, c2, r3, c3)
             # per (query, key): seen by causality, then read reconstructed (sealed) or exact
             sealed = seen & (pos[:, None] >= seal[None, :])
             recon = tl.max(sealed.to(tl.int32), axis=0) > 0  # keys some query reads reconstructed
@@ -286,7 +296,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
                             scores: torch.Tensor | None = None, score_rows: torch.Tensor | None = None,
                             sealed: bool = True, sealed_warps: int | None = None, sealed_chunk: int = 32,
                             sealed_row: bool = True, max_registers: int | None = None,
-                            min_split_keys: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            min_split_keys: int = 0, exact_gap: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs (a tile per row without `tiles`): with
     `sealed` (and a head dim `packed_sealed.supported` takes) the sealed pass first, then the
     general kernel from each split's stop key; the combine when split or sealed. No host sync
@@ -353,7 +363,7 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
         out.stride(0), out.stride(1), lse_stride, scores.stride(0) if store_scores else 0,
         scores.stride(1) if store_scores else 0, scores.shape[2] if store_scores else 0,
         num_heads, num_kv_heads, packed.group_tables.shape[2], packed.row_maps.shape[2], head_dim ** -0.5, num_splits,
-        min_split_keys,
+        min_split_keys, exact_gap,
         GQA=gqa, BLOCK_G=bg, TILE_ROWS=tile_rows, HAS_TILES=tiles is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=slots > 1, ALIGN=max(block_n, packed_sealed.GROUP),
         DOT_FP32=dot_fp32, DOT_DTYPE=dot_dtype, WRITE_LSE=return_lse, STORE_SCORES=store_scores,
@@ -438,7 +448,7 @@ def packed_attention(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor
                      position: torch.Tensor, table_offset: torch.Tensor, *, tiles: torch.Tensor | None = None,
                      tile_rows: int | None = None, return_lse: bool = False, num_splits: int = 1,
                      block_n: int = 32, out: torch.Tensor | None = None, scores: torch.Tensor | None = None,
-                     score_rows: torch.Tensor | None = None, min_split_keys: int = 0,
+                     score_rows: torch.Tensor | None = None, min_split_keys: int = 0, exact_gap: int = 0,
                      use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """out [N, Hq, D] (q's dtype) and, with return_lse, lse [N, Hq] fp32: each row's
     attention over keys 0..position as the read rule gives them (module docstring); with
@@ -455,4 +465,4 @@ def packed_attention(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor
     return packed_attention_triton(q, k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset,
                                    tiles=tiles, tile_rows=tile_rows, return_lse=return_lse, num_splits=num_splits,
                                    block_n=block_n, out=out, scores=scores, score_rows=score_rows,
-                                   min_split_keys=min_split_keys)
+                                   min_split_keys=min_split_keys, exact_gap=exact_gap)

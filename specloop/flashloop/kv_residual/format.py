@@ -84,14 +84,17 @@ class PackedPlanes(PagedKV):
     def attention(self, layer: int, q: torch.Tensor, meta: Any, state: PassReads | None, out: torch.Tensor | None,
                   return_lse: bool, scores: torch.Tensor | None, score_rows: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The packed reader over the pass's query tiles: each key exact or packed; then the
-        prompt chunks the tiles leave out, each dequantized once (`chunks.chunk_attention`)."""
+        """The packed reader over the pass's query tiles: each key exact or packed (keys within
+        the tail of every row of a tile exact without a look at their seals: a group seals at
+        least `tail` past its last row); then the prompt chunks the tiles leave out, each
+        dequantized once (`chunks.chunk_attention`)."""
         assert state is not None, "every pass of a packed format has its reads"
         out, lse = packed_attention(q, self.k[layer], self.v[layer], state.tables, self.page_size,
                                     self.planes.layer_view(layer), state.cells, state.depths, state.positions,
                                     meta.table_offsets, num_splits=meta.num_splits, tiles=meta.tiles,
                                     tile_rows=meta.tile_rows, out=out, return_lse=return_lse, scores=scores,
-                                    score_rows=score_rows, min_split_keys=MIN_SPLIT_KEYS)
+                                    score_rows=score_rows, min_split_keys=MIN_SPLIT_KEYS,
+                                    exact_gap=self.planes.tail)
         for i, chunk in enumerate(state.chunks):
             reads = state.reads.get(i)
             if reads is None:
