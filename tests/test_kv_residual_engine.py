@@ -797,3 +797,31 @@ def test_snapshots_right_after_rollbacks(policy, monkeypatch):
                 assert torch.equal(live.k_codes[:, a], copy.k_codes[:, b]) and torch.equal(live.row_pos[a], copy.row_pos[b])
     assert any(pending) and restored > 0, "a snapshot must meet a pending rollback"
     assert engine.stats().num_draft_tokens > engine.stats().num_accepted_tokens
+
+
+@pytest.mark.parametrize("kw", [
+    {"policy": "serial"},
+    {"policy": "execution"},
+    {"policy": "execution", "sparse": True},
+    {"policy": "execution", "speculation": "block", "draft_loops": 1, "num_speculative_tokens": 3,
+     "tail": SPEC_TAIL},
+    {"policy": "serial", "speculation": "block", "draft_loops": 1, "num_speculative_tokens": 3, "tail": SPEC_TAIL},
+])
+def test_every_seal_lies_a_tail_past_its_rows(tiny_ckpt, kw):
+    """What the packed reader's `exact_gap` relies on (a key within the tail of a query reads
+    exact without a look at its seal): after every step, each sealed record's seal lies at
+    least `tail` past its last row's position, under both policies, with token-sparse
+    prefill, and with speculation's rollbacks (which unseal under the execution policy)."""
+    tail = kw.get("tail", TAIL)
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=64, **kw)
+    checked = [0]
+
+    def check(e: EngineCore) -> None:
+        planes = e.backend.kv.planes
+        sealed = planes.seal[:-1] < NEVER  # (the sink record, last, is never read)
+        last = planes.row_pos[:-1, -1].long()
+        bad = sealed & (planes.seal[:-1].long() < last + tail)
+        assert not bad.any(), f"records {bad.nonzero().flatten().tolist()[:4]} sealed within the tail of their rows"
+        checked[0] += int(sealed.sum())
+    _run(engine, {f"r{p}": PROMPTS[p] for p in range(len(PROMPTS))}, each_step=check, max_tokens=20)
+    assert checked[0] > 0
