@@ -121,9 +121,11 @@ class Config:
     kv_policy: str = "serial"
     kv_chunk: int = 2048  # the execution policy's prompt chunk (the engines' max_num_batched_tokens)
     decode_retention: float | None = None  # None: dense decode attention; r: sparse decode, key retention r
+    keep_last: bool = False  # token-sparse prefill: the prompt's last token runs every loop
 
     def features(self) -> FlashLoopFeatures:
-        sparse = None if self.retention is None else SparsePrefill(window=self.window, retention=self.retention)
+        sparse = None if self.retention is None else SparsePrefill(window=self.window, retention=self.retention,
+                                                                   keep_last=self.keep_last)
         kv = None if self.kv_tail is None else KVResidual(bits=RESIDUAL_BITS, group_size=RESIDUAL_GROUP,
                                                           tail=self.kv_tail, policy=self.kv_policy,
                                                           chunk=self.kv_chunk)
@@ -133,7 +135,8 @@ class Config:
     def engine_group(self, max_model_len: int) -> dict[str, Any] | None:
         if self.retention is None:
             return None
-        return {"window": self.window if self.window is not None else max_model_len, "retention": list(self.retention)}
+        return {"window": self.window if self.window is not None else max_model_len, "retention": list(self.retention),
+                "keep_last": self.keep_last}
 
     def engine_options(self, max_model_len: int) -> dict[str, Any]:
         """This configuration's engine options beyond the shared ones."""
@@ -151,7 +154,7 @@ class Config:
         """What the JSON says about this configuration."""
         options = self.engine_options(max_model_len)
         kv = self.features().kv_residual
-        return {"name": self.name, "window": self.window,
+        return {"name": self.name, "window": self.window, "keep_last": self.keep_last,
                 "retention": None if self.retention is None else list(self.retention),
                 "kv_residual": None if kv is None else dataclasses.asdict(kv),
                 "engine_token_sparse_prefill": options.get("token_sparse_prefill"),
@@ -198,6 +201,9 @@ def build_configs(args: argparse.Namespace) -> list[Config]:
                 configs.append(Config(f"kv-int4 t{t}{tag}", kv_tail=t, kv_policy=policy, kv_chunk=chunk))
                 if policy == "serial":  # the execution reference models dense prefill chunks only
                     configs.append(Config(f"kv-int4 t{t} + w{args.kv_window}", args.kv_window, base, kv_tail=t))
+    if args.keep_last:  # each token-sparse configuration again with the prompt's last token in every loop
+        configs += [dataclasses.replace(c, name=c.name + " +last", keep_last=True) for c in configs
+                    if c.retention is not None]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise SystemExit(f"duplicate configurations: {names}")
@@ -409,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "one request's pass starts: every --max-num-batched-tokens prompt positions, then every token")
     p.add_argument("--kv-window", type=int, default=DEFAULT_WINDOW,
                    help="window of the KV residual + sparse prefill configurations (with --retention)")
+    p.add_argument("--keep-last", action="store_true",
+                   help="add each token-sparse configuration with keep_last (the prompt's last token in every loop)")
     p.add_argument("--only-kv", action="store_true", help="dense and the KV residual configurations only")
     p.add_argument("--feature-matrix", action="store_true",
                    help="dense, each lazy update alone (window --kv-window with --retention, sparse decode at "

@@ -27,6 +27,6 @@ async def test_streams_with_token_sparse_prefill(expected_sparse):
 
     results, metrics = await serve_streams(["--token-sparse-prefill", json.dumps(GROUP)], after=version)
     assert_plain_greedy(results, expected_sparse)
-    assert seen["version"]["engine"]["token_sparse_prefill"] == {"enabled": True, **GROUP}
+    assert seen["version"]["engine"]["token_sparse_prefill"] == {"enabled": True, "keep_last": False, **GROUP}
     skipped = [line for line in metrics.splitlines() if line.startswith("specloop_prefill_rows_skipped_total")]
     assert skipped and float(skipped[0].split()[-1]) > 0

@@ -208,6 +208,21 @@ def test_other_engine_configuration_is_refused(tiny_ckpt):
             _engine(tiny_ckpt, **other).restore(snap)
 
 
+def test_a_snapshot_from_before_keep_last_restores_and_keep_last_is_checked(tiny_ckpt):
+    """Snapshots taken before token_sparse_prefill had `keep_last` (their group lacks it) were
+    taken with it off: they restore into an engine with it off; one taken with it on is
+    refused by an engine with it off."""
+    group = FEATURES["prefill"]["token_sparse_prefill"]
+    snap = _snapshot(tiny_ckpt, token_sparse_prefill=group)
+    del snap.data["config"]["token_sparse_prefill"]["keep_last"]
+    engine = _engine(tiny_ckpt, token_sparse_prefill=group)
+    engine.restore(snap)
+    assert "r0" in engine.requests
+    on = _snapshot(tiny_ckpt, token_sparse_prefill={**group, "keep_last": True})
+    with pytest.raises(SnapshotError, match="keep_last"):
+        _engine(tiny_ckpt, token_sparse_prefill=group).restore(on)
+
+
 def test_refused_for_lack_of_room_or_a_taken_id_changes_nothing(tiny_ckpt):
     snap = _snapshot(tiny_ckpt)
     small = _engine(tiny_ckpt, pages=8)

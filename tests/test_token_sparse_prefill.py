@@ -43,12 +43,13 @@ CASES = {  # window, retention
     "global": (64, (1.0, 1.0, 0.25, 0.10)),  # one window holds each whole prompt
     "loop4-only": (6, (1.0, 1.0, 1.0, 0.5)),
 }
+KEEP_LAST = {"w8-keep-last": (8, (1.0, 1.0, 0.25, 0.10))}  # keep_last on: the prompt's last token runs every loop
 
 
-def _engine(ckpt, window: int, retention, **kw) -> EngineCore:
+def _engine(ckpt, window: int, retention, keep_last: bool = False, **kw) -> EngineCore:
     return EngineCore(EngineConfig.from_kwargs(
         str(ckpt), device=kw.pop("device", "cpu"), dtype="float32", num_kv_pages=kw.pop("num_kv_pages", 512), block_size=4,
-        token_sparse_prefill={"window": window, "retention": list(retention)}, **kw))
+        token_sparse_prefill={"window": window, "retention": list(retention), "keep_last": keep_last}, **kw))
 
 
 class Probe:
@@ -80,8 +81,9 @@ def _reference(ckpt, cache, case: str, p: int, exit_threshold: float | None = No
     key = (str(ckpt), case, p, exit_threshold)
     if key not in cache:
         model, _ = load_model(ckpt, dtype=torch.float32)
-        window, retention = CASES[case]
-        feats = FlashLoopFeatures(token_sparse_prefill=SparsePrefill(window=window, retention=retention))
+        window, retention = CASES[case] if case in CASES else KEEP_LAST[case]
+        feats = FlashLoopFeatures(token_sparse_prefill=SparsePrefill(window=window, retention=retention,
+                                                                     keep_last=case in KEEP_LAST))
         w, prompt = weights_of(model), PROMPTS[p]
         fwd = flashloop_forward(w, model.config, torch.tensor(prompt), len(prompt), feats, exit_threshold)
         tokens = flashloop_greedy(w, model.config, prompt, MAX_TOKENS, feats, exit_threshold)
@@ -117,7 +119,8 @@ def test_matches_the_reference(any_ckpt, refs, case):
     left_out = sum(min((win + 1) * window, len(PROMPTS[int(r[1:])])) - win * window - len(pos)
                    for (r, _, win), pos in probe.kept.items())
     assert stats.prefill_rows_skipped == left_out > 0
-    assert stats.token_sparse_prefill == {"enabled": True, "window": window, "retention": list(retention)}
+    assert stats.token_sparse_prefill == {"enabled": True, "window": window, "retention": list(retention),
+                                          "keep_last": False}
 
 
 def test_the_last_tokens_need_not_be_kept(tiny_ckpt, refs):
@@ -134,6 +137,23 @@ def test_the_last_tokens_need_not_be_kept(tiny_ckpt, refs):
     prompt_last = [k for k, pos in probe.kept.items() if ends[int(k[0][1:])] - 1 not in pos
                    and (k[2] + 1) * window >= ends[int(k[0][1:])]]
     assert window_last and prompt_last
+
+
+@pytest.mark.parametrize("rows", [2048, 3])
+def test_keep_last_runs_the_prompts_last_token_every_loop(tiny_ckpt, refs, rows):
+    """keep_last: every window ending a prompt keeps the prompt's last token at each sparse
+    loop (without it some do not: `test_the_last_tokens_need_not_be_kept`), and the engine
+    keeps the reference's sets and gives its tokens and first logprobs, in whole windows and
+    in windows split across calls of 3 rows."""
+    window, retention = KEEP_LAST["w8-keep-last"]
+    engine = _engine(tiny_ckpt, window, retention, keep_last=True, max_num_batched_tokens=rows)
+    probe = Probe(engine, window)
+    got = _run(engine, PROMPTS)
+    _check(tiny_ckpt, refs, "w8-keep-last", got, probe)
+    ends = {f"r{p}": len(prompt) for p, prompt in enumerate(PROMPTS)}
+    last_windows = [(k, pos) for k, pos in probe.kept.items() if (k[2] + 1) * window >= ends[k[0]]]
+    assert last_windows and all(ends[k[0]] - 1 in pos for k, pos in last_windows)
+    assert engine.stats().token_sparse_prefill["keep_last"] is True
 
 
 @pytest.mark.parametrize("rows", [2, 3, 7])  # 2: fewer rows a call than the 4 a window keeps at loop 3
@@ -285,7 +305,7 @@ def _batch(groups: list[dict], pad: int) -> WindowBatch:
     width = max(len(g["slots"]) for g in groups)
     slots = torch.tensor([g["slots"] + [pad] * (width - len(g["slots"])) for g in groups])
     info = torch.tensor([[g["start"], len(g["slots"]), g["depth"], g["budget"], int(g["rank"] == 0),
-                          g.get("table", 0), g.get("inherited", 0)] for g in groups])
+                          g.get("table", 0), g.get("inherited", 0), g.get("last", -1)] for g in groups])
     rows = [r for g in groups for r in range(g["first"], g["first"] + g["rows"])]
     of = [i for i, g in enumerate(groups) for _ in range(g["rows"])]
     ranks = [k for g in groups for k in range(g["rank"], g["rank"] + g["rows"])]
@@ -392,6 +412,7 @@ def test_rows_fill_in_position_order_and_the_rest_inherit():
     ({"retention": "x"}, "list of numbers"),
     ({"windw": 8}, "has no option 'windw'"),
     ({"enabled": "yes"}, "true or false"),
+    ({"keep_last": 1}, "keep_last must be true or false"),
 ])
 def test_configuration_errors_are_one_line(value, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -412,7 +433,7 @@ def test_defaults_and_summary():
     group = cfg.token_sparse_prefill
     assert group.enabled and group.retention == (1.0, 1.0, 0.25, 0.10)
     assert cfg.summary()["token_sparse_prefill"] == {"enabled": True, "window": group.window,
-                                                      "retention": [1.0, 1.0, 0.25, 0.1]}
+                                                      "retention": [1.0, 1.0, 0.25, 0.1], "keep_last": False}
     assert not EngineConfig.from_kwargs("m").token_sparse_prefill.enabled
     assert [group.budget(2, n) for n in (10, 3, 1, 8)] == [3, 1, 1, 2]
     assert [group.budget(3, n) for n in (10, 11, 100)] == [1, 2, 10]

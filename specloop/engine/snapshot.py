@@ -151,6 +151,8 @@ class Snapshotter:
             mine = self.fingerprint.get(key)
             if key == "kv_residual_quantization" and isinstance(value, dict):  # older snapshots carried
                 value = {k: v for k, v in value.items() if k != "tail_share"}  # its pool sizing too
+            if key == "token_sparse_prefill" and isinstance(value, dict) and "keep_last" not in value:
+                value = {**value, "keep_last": False}  # (older snapshots predate the option: it was off)
             if mine != value:
                 raise SnapshotError(f"the snapshot was taken with {key}={value!r}, this engine has {mine!r}")
         rid = snap.request_id

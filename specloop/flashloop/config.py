@@ -25,15 +25,20 @@ SCORE_EPS = 1e-6  # the change score's floor on ||h_{r-1}||
 class TokenSparsePrefill:
     """Token-sparse prefill: loops 1-2 dense; before each later loop every complete window
     of `window` prompt tokens (absolute positions [k*window, (k+1)*window)) keeps the
-    max(1, ceil(len * retention[loop])) tokens whose hidden state changed most."""
+    max(1, ceil(len * retention[loop])) tokens whose hidden state changed most; with
+    `keep_last` the prompt's last token is always one of them (it runs every loop, so the
+    first generated token comes from its full-depth state, as in the FlashLoop authors' code)."""
 
     enabled: bool = False
     window: int = DEFAULT_WINDOW
     retention: tuple[float, ...] = DEFAULT_RETENTION
+    keep_last: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"token_sparse_prefill.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.keep_last, bool):
+            raise ConfigError(f"token_sparse_prefill.keep_last must be true or false, got {self.keep_last!r}")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             raise ConfigError(f"token_sparse_prefill.window must be a positive integer (tokens), got {self.window!r}")
         retention = self.retention

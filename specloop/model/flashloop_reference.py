@@ -81,11 +81,13 @@ NEVER = torch.iinfo(torch.long).max
 class SparsePrefill:
     """window: None = global selection over the whole prompt; an int W = fixed windows
     [k*W, (k+1)*W) of absolute prompt positions (the last may be shorter).
-    retention: per 0-based loop, the fraction of each window that runs that loop."""
+    retention: per 0-based loop, the fraction of each window that runs that loop.
+    keep_last: the prompt's last token, when eligible, is always selected (ranked first)."""
 
     window: int | None = None
     retention: tuple[float, ...] = (1.0, 1.0, 0.25, 0.10)
     eps: float = 1e-6
+    keep_last: bool = False
 
     def __post_init__(self) -> None:
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
@@ -457,6 +459,8 @@ def _prompt_selection(loop: int, sp: SparsePrefill | None, prompt_len: int, loop
     eligible = active[-1][:prompt_len] & ~exited[:prompt_len]
     # H[r-1] is loop_hidden[r-2]; H[r-2] is loop_hidden[r-3].
     score = change_score(loop_hidden[loop - 2][:prompt_len], loop_hidden[loop - 3][:prompt_len], sp.eps)
+    if sp.keep_last:
+        score[prompt_len - 1] = float("inf")
     chosen = torch.zeros_like(eligible)
     for w, (s, e) in enumerate(audit.windows):
         picked = select_active(score[s:e], eligible[s:e], prefill_budget(e - s, sp.retention[loop - 1])) + s

@@ -12,7 +12,7 @@ import torch
 from specloop.plan import Plan, RowGroup
 from specloop.runtime.forward_batch import ForwardBatch, LoopPass
 
-WINDOW_INFO = 7
+WINDOW_INFO = 8
 
 
 @dataclasses.dataclass
@@ -40,7 +40,8 @@ class WindowBatch:
 
     windows: list[WindowRows]
     slots: torch.Tensor  # [G, W] long, padded with the pad slot
-    info: torch.Tensor  # [G, WINDOW_INFO] long: start, length, depth, budget, selects here, table, inherited table
+    info: torch.Tensor  # [G, WINDOW_INFO] long: start, length, depth, budget, selects here, table, inherited
+    # table, and the index of a token it always keeps (`keep_last`: the prompt's last; -1: none)
     rows: torch.Tensor  # [R] long: batch rows
     row_window: torch.Tensor  # [R] long: the group of each
     row_rank: torch.Tensor  # [R] long: the rank of the kept token each runs
@@ -54,10 +55,11 @@ Windows = list[tuple[int, RowGroup, int, int]]  # (first row, group, its table, 
 class WindowBatchPart:
     variant = None
 
-    def __init__(self, capacity: int, pad_slot: int) -> None:
+    def __init__(self, capacity: int, pad_slot: int, keep_last: bool = False) -> None:
         """`capacity`: the most integers one plan's window groups carry
-        (`TokenSparsePrefillFeature.upload_ints`); `pad_slot`: the sink token slot."""
-        self.capacity, self.pad_slot = capacity, pad_slot
+        (`TokenSparsePrefillFeature.upload_ints`); `pad_slot`: the sink token slot;
+        `keep_last`: the window ending the prompt always keeps the prompt's last token."""
+        self.capacity, self.pad_slot, self.keep_last = capacity, pad_slot, keep_last
 
     def start(self, plan: Plan) -> None:
         pass
@@ -108,7 +110,9 @@ class WindowBatchPart:
         for _, g, _, _ in windows:
             out += g.token_slots + [self.pad_slot] * (width - len(g.token_slots))
         for _, g, own, inherited in windows:
-            out += [g.start, len(g.token_slots), g.depth, g.window.budget, int(g.window.first == 0), own, inherited]
+            n = len(g.token_slots)
+            last = n - 1 if self.keep_last and g.start + n == g.decode_from else -1
+            out += [g.start, n, g.depth, g.window.budget, int(g.window.first == 0), own, inherited, last]
         rows, of, ranks = [], [], []
         moved_of, moved_ranks = [], []
         for i, (row, g, _, _) in enumerate(windows):

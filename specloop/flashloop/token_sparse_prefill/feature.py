@@ -50,7 +50,7 @@ class TokenSparsePrefillFeature(FeatureDefaults):
         return groups * (3 * sparse.window + WINDOW_INFO) + 3 * rows
 
     def batch_part(self, general_slots: int, pad_slot: int) -> WindowBatchPart:
-        return WindowBatchPart(self.upload_ints(general_slots), pad_slot)
+        return WindowBatchPart(self.upload_ints(general_slots), pad_slot, self.group.keep_last)
 
     def device(self, slots: Any, store: Any) -> WindowDevice:
         return WindowDevice(slots, store)

@@ -6,7 +6,8 @@ exited) is scored by how much its hidden state changed over that loop,
     score = ||h_d - h_(d-1)|| / max(||h_d||, eps)        (fp32, from the slot storage)
 
 and the window keeps its `budget` highest scores, ties going to the lower position (a
-stable sort of positions in order, so batching never changes the choice). Exited tokens
+stable sort of positions in order, so batching never changes the choice). With
+`keep_last` the window ending the prompt ranks the prompt's last token first when eligible. Exited tokens
 rank below every eligible one: they fill a budget the eligible tokens cannot (their rows
 then run as kept rows and change nothing). The picks are marked in the slots
 (`SlotStorage.selected`); every other token of the window inherits its previous-depth K/V
@@ -42,7 +43,7 @@ def change_scores(slots: SlotStorage, window_slots: torch.Tensor, eps: float) ->
 def select(slots: SlotStorage, wb: WindowBatch, eps: float) -> torch.Tensor:
     """Mark the tokens each group selecting here keeps (`SlotStorage.selected`); returns the
     [G, W] mask of every group's kept tokens (marked here or by an earlier call)."""
-    start, length, depth, budget, fresh, _, _ = wb.info.unbind(1)
+    start, length, depth, budget, fresh, _, _, last = wb.info.unbind(1)
     ws = wb.slots
     col = torch.arange(ws.shape[1], device=ws.device)
     valid = col[None, :] < length[:, None]
@@ -50,6 +51,7 @@ def select(slots: SlotStorage, wb: WindowBatch, eps: float) -> torch.Tensor:
     exited = slots.exited[ws]
     eligible = (slots.depth[ws] == d) & ~exited & valid  # ran the previous loop: nested sets
     key = torch.where(eligible, change_scores(slots, ws, eps), torch.where(exited & valid, -1.0, float("-inf")))
+    key = torch.where(eligible & (col[None, :] == last[:, None]), float("inf"), key)  # keep_last's token first
     order = torch.sort(key, dim=1, descending=True, stable=True).indices
     kept = torch.zeros_like(valid).scatter_(1, order, col[None, :] < budget[:, None])
     marks = torch.where((fresh[:, None] == 1) & kept & valid, d, slots.selected[ws])
@@ -65,7 +67,7 @@ def by_rank(kept: torch.Tensor) -> torch.Tensor:
 def inherit(kv: PagedKV, wb: WindowBatch, order: torch.Tensor, tables: torch.Tensor, page_size: int) -> None:
     """The tokens a selecting group leaves out (ranks budget .. length - 1 of `order`, listed
     by the plan) copy their previous-depth K/V into its depth's plane."""
-    start, _, _, _, _, table, inherited = wb.info.unbind(1)
+    start, _, _, _, _, table, inherited, _ = wb.info.unbind(1)
     of = wb.moved_window
     positions = start[of] + order[of, wb.moved_rank]
     kv.copy(kv_slots(tables, inherited[of], positions, page_size), kv_slots(tables, table[of], positions, page_size))
