@@ -90,12 +90,16 @@ def _two_source_kernel(
         maybe = j_ok & (seal > lowest) & (seal <= last)
         any_tail = tl.max(maybe.to(tl.int32), axis=0) > 0
         use_tail = visible & maybe[None, :] & (pos[:, None] < seal[None, :])  # pairs read from the tail
-        band = tl.max(use_tail.to(tl.int32), axis=0) > 0  # keys some row of the tile reads from the tail
-        page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=band, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + j % PAGE_SIZE
-        if any_tail:
-            k_t = tl.load(kt_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                          mask=band[:, None] & d_ok[None, :], other=0.0)
+        v_t = tl.zeros_like(v)
+        if any_tail:  # (the other blocks load no table entry or tail slot)
+            band = tl.max(use_tail.to(tl.int32), axis=0) > 0  # keys some row of the tile reads from the tail
+            page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=band, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + j % PAGE_SIZE
+            tail_mask = band[:, None] & d_ok[None, :]
+            k_t = tl.load(kt_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=tail_mask,
+                          other=0.0)
+            v_t = tl.load(vt_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=tail_mask,
+                          other=0.0)
             if DOT_FP32:
                 s_t = tl.dot(q, tl.trans(k_t.to(tl.float32)), input_precision="ieee")
             else:
@@ -108,8 +112,6 @@ def _two_source_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if any_tail:
-            v_t = tl.load(vt_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                          mask=band[:, None] & d_ok[None, :], other=0.0)
             p_t = tl.where(use_tail, p, 0.0)
             p = tl.where(use_tail, 0.0, p)
             if DOT_FP32:

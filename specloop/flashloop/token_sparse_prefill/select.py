@@ -6,10 +6,10 @@ exited) is scored by how much its hidden state changed over that loop,
     score = ||h_d - h_(d-1)|| / max(||h_d||, eps)        (fp32, from the slot storage)
 
 and the window keeps its `budget` highest scores, ties going to the lower position (a
-stable sort of positions in order, so batching never changes the choice). With
-`keep_last` the window ending the prompt ranks the prompt's last token first when eligible. Exited tokens
-rank below every eligible one: they fill a budget the eligible tokens cannot (their rows
-then run as kept rows and change nothing). The picks are marked in the slots
+stable sort of positions in order, so batching never changes the choice); with
+`keep_last` the window ending the prompt ranks the prompt's last token first when
+eligible. Exited tokens rank below every eligible one: they fill a budget the eligible
+tokens cannot (their rows then run as kept rows and change nothing). The picks are marked in the slots
 (`SlotStorage.selected`); every other token of the window inherits its previous-depth K/V
 into this depth's plane, before any active row attends to it. A window split across
 calls selects once, in its first group; later groups read the marks.
