@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specloop.kernels.chunk_attention import (
-    NEVER, two_source_attention, two_source_attention_reference,
+    NEVER, seal_reach, two_source_attention, two_source_attention_reference,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,7 +23,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 def _case(seed: int, rows: int, context: int, heads: int, kv_heads: int, dim: int, page_size: int,
-          dtype: torch.dtype, scattered: bool = False):
+          dtype: torch.dtype, scattered: bool = False, trailing: bool = False):
+    """`trailing`: seals as the engine's groups give them (each key a group of 8 and a tail of
+    12 behind it, so the chunk's band starts near its first row); else random before, inside
+    and after the chunk."""
     gen = torch.Generator().manual_seed(seed)
     if scattered:  # a sparse window's kept rows: any positions up to the last key, the last one kept
         positions = torch.randperm(context - 1, generator=gen)[: rows - 1].sort().values.tolist() + [context - 1]
@@ -38,6 +41,8 @@ def _case(seed: int, rows: int, context: int, heads: int, kv_heads: int, dim: in
     after = torch.where(torch.rand(context, generator=gen) < 0.5, last + 1 + torch.randint(0, 50, (context,), generator=gen),
                         torch.full((context,), NEVER))
     seals = torch.where(kind == 0, before, torch.where(kind == 1, inside, after)).to(torch.int32)
+    if trailing:
+        seals = ((torch.arange(context) // 8 + 1) * 8 + 12).to(torch.int32)
     pages = -(-context // page_size) + 5
     table = 3
     tables = torch.randint(0, pages, (table,), generator=gen).tolist() + torch.randperm(pages, generator=gen).tolist()
@@ -97,6 +102,29 @@ def test_kernel_matches_reference(heads, kv_heads, dim, rows, context, scattered
     assert torch.isfinite(got.float()).all(), "a tail slot no pair reads exact reached the output"
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows, context", [(70, 300), (16, 500), (200, 260)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference_with_trailing_seals(rows, context, dtype):
+    """Seals a group and a tail behind each key, as the engine's: the blocks below the band and
+    the tile's lowest row take the unmasked path, the rest the per-pair one."""
+    case, _ = _case(rows + context, rows, context, 4, 2, 32, 16, dtype, trailing=True)
+    reach = seal_reach(case[9], case[10])
+    first_band = int(torch.searchsorted(reach, case[8].min(), right=True))
+    assert context - rows - 20 <= first_band <= context - rows, "the band starts near the chunk: unmasked blocks below"
+    got = two_source_attention(*case)
+    want = two_source_attention_reference(*case)
+    assert torch.isfinite(got.float()).all(), "a tail slot no pair reads exact reached the output"
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_seal_reach():
+    """The latest seal by the last query among keys 0..j (-1 before any): nondecreasing."""
+    seals = torch.tensor([3, 9, 5, 12, 20, NEVER], dtype=torch.int32)
+    assert seal_reach(seals, torch.tensor([9])).tolist() == [3, 9, 9, 9, 9, 9]
+    assert seal_reach(seals, torch.tensor([2])).tolist() == [-1] * 6
+    assert seal_reach(seals, torch.tensor([20])).tolist() == [3, 9, 9, 12, 20, 20]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Ouro shape at 2K x 4K is slow under the interpreter")

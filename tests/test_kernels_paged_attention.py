@@ -22,10 +22,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 def _case(seed: int, group_rows: list[int], heads: int, kv_heads: int, dim: int, page_size: int,
-          dtype: torch.dtype, tile_rows: int, pad_tiles: int = 0):
-    """Groups of the given row counts, each at a random start position with its own pages."""
+          dtype: torch.dtype, tile_rows: int, pad_tiles: int = 0, min_start: int = 0):
+    """Groups of the given row counts, each at a random start position (at least
+    `min_start`) with its own pages."""
     gen = torch.Generator().manual_seed(seed)
-    pages = 40
+    pages = 40 + -(-min_start // page_size)
     k = torch.randn(pages * page_size, kv_heads, dim, generator=gen).to(dtype)
     v = torch.randn(pages * page_size, kv_heads, dim, generator=gen).to(dtype)
     n = sum(group_rows)
@@ -33,7 +34,7 @@ def _case(seed: int, group_rows: list[int], heads: int, kv_heads: int, dim: int,
     tables, positions, groups = [], [], []
     first = 0
     for rows in group_rows:
-        start = int(torch.randint(0, 3 * page_size, (1,), generator=gen))
+        start = min_start + int(torch.randint(0, 3 * page_size, (1,), generator=gen))
         end = start + rows
         need = -(-end // page_size)
         groups.append((first, rows, len(tables)))
@@ -70,6 +71,15 @@ def test_mixed_groups_match_reference(heads, kv_heads, dim, splits, dtype):
 def test_page_sizes_and_key_blocks(page_size, block_n):
     args = _case(page_size + block_n, [1, 3, 9], 4, 2, 16, page_size, torch.float32, 8)
     _check(args, page_size, torch.float32, tile_rows=8, num_splits=2, block_n=block_n)
+
+
+@pytest.mark.parametrize("splits, block_n", [(1, 16), (1, 32), (3, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_deep_in_their_context(splits, block_n, dtype):
+    """Prompt chunks and decode rows past 150 keys: most key blocks lie below every row of
+    a tile (read unmasked), then the diagonal's blocks (masked per pair)."""
+    args = _case(splits * 10 + block_n, [37, 1, 16, 1], 4, 2, 32, 8, dtype, 16, min_start=150)
+    _check(args, 8, dtype, tile_rows=16, num_splits=splits, block_n=block_n)
 
 
 def test_nonconsecutive_positions_in_a_tile():

@@ -17,10 +17,14 @@ reads j reconstructed iff q >= seal[j], exact otherwise.
 
 So a pair (q, j <= q) reads k_read[j] unless q < seal[j] <= last (j seals inside the chunk,
 after q): then the tail. Only the keys that seal inside the chunk (at most the chunk's rows
-plus a group, per plane) are ever read from the tail, and a key block none of whose keys
-does for the tile's rows is one contiguous read, as in a dense prefill. A key block with
-such keys also loads their tail slots (masked to them: the tail pages of keys nobody reads
-exact may be gone) and picks per pair. Replaces a masked scaled-dot-product attention over
+plus a group, per plane) are ever read from the tail. Keys below both the tile's lowest
+row and the tile's band (the first key sealing after that row and by the chunk's last query,
+found by a binary search over `seal_reach`) are read as unmasked contiguous blocks, as in a
+dense prefill; the blocks above are masked per pair, and one holding keys that seal inside
+the chunk also loads their tail slots (masked to them: the tail pages of keys nobody reads
+exact may be gone) and picks per pair. (With every block masked, the kernel took 425 ms of
+an 8K prompt's first token on the H100 at 1c126c0, 2.6x the dense kernel's 166 ms.)
+Replaces a masked scaled-dot-product attention over
 both versions of the context (2C keys and a [rows, 2C] mask, built per pass).
 
 Tiles of TILE_ROWS rows x the padded GQA group form the M dimension, a program per (tile,
@@ -37,17 +41,23 @@ import torch
 import triton
 import triton.language as tl
 
-from specloop.kernels.paged_attention import block_g
+from specloop.kernels.paged_attention import block_g, launch_options, online_softmax, qk
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NEVER = 2**31 - 1
+# Launch options. M = tile rows x padded GQA group. On the H100 (8K chunk,
+# bench/results/prefill_attention_sweep_two_source_h100.json) 64 x 64 tiles with 4 warps and 3
+# stages ran best (248 TFLOP/s); 128-row tiles with 8 warps ran 223 (block_n 64) and 204
+# (block_n 128): the masked band's per-pair selects cost more in larger tiles. (fp32 inputs,
+# used by tests, must stay at 64 x 64 too: larger tiles exceed shared memory.)
+LAUNCH = {"m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
 def _two_source_kernel(
-    q_ptr, kr_ptr, vr_ptr, kt_ptr, vt_ptr, tables_ptr, positions_ptr, seals_ptr, last_ptr, out_ptr,
+    q_ptr, kr_ptr, vr_ptr, kt_ptr, vt_ptr, tables_ptr, positions_ptr, seals_ptr, last_ptr, reach_ptr, out_ptr,
     stride_qn, stride_qh, stride_krn, stride_krh, stride_vrn, stride_vrh, stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_on, stride_oh, num_rows, table, scale,
+    stride_on, stride_oh, num_rows, num_keys, table, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -74,16 +84,31 @@ def _two_source_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, context, BLOCK_N):
+    # The tile's band: the first key j with reach[j] > lowest (reach is nondecreasing: the
+    # latest seal inside the chunk among keys <= j), found by bisection. Key blocks below it and
+    # the tile's lowest position are visible to every row and read from k_read alone: one
+    # contiguous, unmasked read, as in a dense prefill.
+    band_lo = 0
+    band_hi = num_keys
+    while band_lo < band_hi:
+        mid = (band_lo + band_hi) // 2
+        if tl.load(reach_ptr + mid) > lowest:
+            band_hi = mid
+        else:
+            band_lo = mid + 1
+    open_hi = tl.minimum(lowest + 1, band_lo) // BLOCK_N * BLOCK_N
+    for start in range(0, open_hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        k = tl.load(kr_ptr + j[:, None] * stride_krn + kv_head * stride_krh + d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(vr_ptr + j[:, None] * stride_vrn + kv_head * stride_vrh + d[None, :], mask=d_ok[None, :], other=0.0)
+        m_i, l_i, acc = online_softmax(qk(q, k, DOT_FP32) * scale, v, m_i, l_i, acc, DOT_FP32)
+    for start in range(open_hi, context, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < context
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(kr_ptr + j[:, None] * stride_krn + kv_head * stride_krh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vr_ptr + j[:, None] * stride_vrn + kv_head * stride_vrh + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = qk(q, k, DOT_FP32)
         seal = tl.load(seals_ptr + j, mask=j_ok, other=2147483647)
         visible = j_ok[None, :] & (j[None, :] <= pos[:, None])
         # keys that may seal between the tile's first row and the chunk's last query
@@ -91,27 +116,25 @@ def _two_source_kernel(
         any_tail = tl.max(maybe.to(tl.int32), axis=0) > 0
         use_tail = visible & maybe[None, :] & (pos[:, None] < seal[None, :])  # pairs read from the tail
         v_t = tl.zeros_like(v)
+        # (Branches yield tiles, not the loop's running state: with the online-softmax update
+        # inside an if/else, Triton 3.6's software pipeliner failed to compile the loop.)
         if any_tail:  # (the other blocks load no table entry or tail slot)
-            band = tl.max(use_tail.to(tl.int32), axis=0) > 0  # keys some row of the tile reads from the tail
-            page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=band, other=0).to(tl.int64)
+            exact = tl.max(use_tail.to(tl.int32), axis=0) > 0  # keys some row of the tile reads from the tail
+            page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=exact, other=0).to(tl.int64)
             slot = page * PAGE_SIZE + j % PAGE_SIZE
-            tail_mask = band[:, None] & d_ok[None, :]
+            tail_mask = exact[:, None] & d_ok[None, :]
             k_t = tl.load(kt_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=tail_mask,
                           other=0.0)
             v_t = tl.load(vt_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=tail_mask,
                           other=0.0)
-            if DOT_FP32:
-                s_t = tl.dot(q, tl.trans(k_t.to(tl.float32)), input_precision="ieee")
-            else:
-                s_t = tl.dot(q, tl.trans(k_t))
-            s = tl.where(use_tail, s_t, s)
+            s = tl.where(use_tail, qk(q, k_t, DOT_FP32), s)
         s = tl.where(visible, s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if any_tail:
+        if any_tail:  # the tail's probabilities against v_t
             p_t = tl.where(use_tail, p, 0.0)
             p = tl.where(use_tail, 0.0, p)
             if DOT_FP32:
@@ -146,29 +169,49 @@ def _check(q: torch.Tensor, k_read: torch.Tensor, v_read: torch.Tensor, k_tail: 
         assert x.stride(2) == 1, "the head dim must be contiguous"
 
 
+def seal_reach(seals: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """reach[j] (int32 [C]): the latest seal at or before the chunk's last query among keys
+    0..j, -1 for none. A tile whose lowest row is at or past reach[j] reads keys 0..j from
+    k_read with every row, so the kernel reads them unmasked; it bisects reach for its band.
+    Device ops only (no sync); a chunk's seals are fixed for its pass, so callers that attend
+    per layer compute it once."""
+    inside = torch.where(seals.long() <= last.long(), seals.long(), -1)
+    return inside.cummax(0).values.to(torch.int32)
+
+
 def two_source_attention_triton(q: torch.Tensor, k_read: torch.Tensor, v_read: torch.Tensor, k_tail: torch.Tensor,
                                 v_tail: torch.Tensor, tables: torch.Tensor, table: int, page_size: int,
                                 positions: torch.Tensor, seals: torch.Tensor, last: torch.Tensor, *,
-                                tile_rows: int | None = None, block_n: int = 64) -> torch.Tensor:
+                                reach: torch.Tensor | None = None, tile_rows: int | None = None,
+                                block_n: int | None = None, num_warps: int | None = None,
+                                num_stages: int | None = None) -> torch.Tensor:
     """One launch of (tiles, KV heads) programs. The keys must cover every row's position
-    (C > max position): nothing is read back from the device to check it."""
+    (C > max position): nothing is read back from the device to check it. `reach`: the
+    chunk's `seal_reach` (computed here when None). Launch options left None: `LAUNCH`."""
     _check(q, k_read, v_read, k_tail, v_tail, positions, seals, last)
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_tail.shape[1]
     bg = block_g(num_heads, num_kv_heads)
-    tile_rows = tile_rows or max(1, 64 // bg)
+    launch = LAUNCH
+    tile_rows = tile_rows or max(1, launch["m"] // bg)
+    block_n = block_n or launch["block_n"]
+    num_warps = num_warps or launch["num_warps"]
+    num_stages = num_stages or launch["num_stages"]
     assert tile_rows * bg >= 16, "a tile's M dimension (tile_rows x padded GQA group) must be at least 16"
     out = torch.empty_like(q)
     if n == 0:
         return out
+    if reach is None:
+        reach = seal_reach(seals, last)
+    assert reach.shape == seals.shape and reach.dtype == torch.int32, "reach: int32 [C]"
     _two_source_kernel[(triton.cdiv(n, tile_rows), num_kv_heads)](
-        q, k_read, v_read, k_tail, v_tail, tables, positions, seals, last, out,
+        q, k_read, v_read, k_tail, v_tail, tables, positions, seals, last, reach, out,
         q.stride(0), q.stride(1), k_read.stride(0), k_read.stride(1), v_read.stride(0), v_read.stride(1),
         k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1), out.stride(0), out.stride(1),
-        n, table, head_dim ** -0.5,
+        n, seals.shape[0], table, head_dim ** -0.5,
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
         BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_FP32=_INTERPRET or q.dtype == torch.float32,
+        DOT_FP32=_INTERPRET or q.dtype == torch.float32, **launch_options(num_warps, num_stages),
     )
     return out
 
@@ -207,10 +250,13 @@ def two_source_attention_reference(q: torch.Tensor, k_read: torch.Tensor, v_read
 def two_source_attention(q: torch.Tensor, k_read: torch.Tensor, v_read: torch.Tensor, k_tail: torch.Tensor,
                          v_tail: torch.Tensor, tables: torch.Tensor, table: int, page_size: int,
                          positions: torch.Tensor, seals: torch.Tensor, last: torch.Tensor,
-                         use_triton: bool | None = None) -> torch.Tensor:
+                         use_triton: bool | None = None, reach: torch.Tensor | None = None) -> torch.Tensor:
     """Output [N, Hq, D] in q's dtype: Triton on CUDA tensors or under TRITON_INTERPRET=1 by
-    default, the reference otherwise."""
+    default, the reference otherwise (`reach`: the Triton launch's, `seal_reach`)."""
     if use_triton is None:
         use_triton = q.is_cuda or _INTERPRET
-    fn = two_source_attention_triton if use_triton else two_source_attention_reference
-    return fn(q, k_read, v_read, k_tail, v_tail, tables, table, page_size, positions, seals, last)
+    if use_triton:
+        return two_source_attention_triton(q, k_read, v_read, k_tail, v_tail, tables, table, page_size, positions,
+                                           seals, last, reach=reach)
+    return two_source_attention_reference(q, k_read, v_read, k_tail, v_tail, tables, table, page_size, positions,
+                                          seals, last)

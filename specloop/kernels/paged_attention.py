@@ -48,6 +48,40 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILE_COLUMNS = 3  # first row, rows, table offset
+# Key blocks of every launch, whatever its tile size: a row's output then does not depend on
+# the tiles it was cut into (graph replays of decode tiles and eager prompt tiles agree bit
+# for bit). On the H100 an 8K prompt's chunks ran at 238 TFLOP/s with block_n 32 and 4
+# stages against 213 with 64 (bench/results/prefill_attention_sweep_h100.json), 279 with
+# 128-row tiles, block_n 128 and 8 warps: decode tiles would need the same block_n.
+BLOCK_N = 64
+
+
+@triton.jit
+def qk(q, k, DOT_FP32: tl.constexpr):
+    """Scores q . k^T [M, N] with fp32 accumulation (IEEE fp32 products for fp32 tiles)."""
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def online_softmax(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    """One key block of flash attention's online softmax: `s` the scaled scores (-inf where
+    hidden), `v` the block's values; returns the new running max, denominator and output.
+    Rows with nothing visible yet keep max -inf and add nothing. The probabilities go to v's
+    dtype for the PV product (fp32 tiles: IEEE products), as flash attention does."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -92,7 +126,22 @@ def _attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        # Key blocks below the tile's lowest position are visible to every row: no masks there
+        # (a prompt chunk's whole context but its diagonal); the rest is masked per pair.
+        lowest = tl.min(tl.where(r_ok, pos, 2147483647), axis=0)
+        open_hi = tl.minimum(hi, tl.maximum(lo, (lowest + 1) // BLOCK_N * BLOCK_N))
+        for start in range(lo, open_hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            page = tl.load(tables_ptr + table + j // PAGE_SIZE).to(tl.int64)
+            slot = page * PAGE_SIZE + j % PAGE_SIZE
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=d_ok[None, :], other=0.0)
+            s = qk(q, k, DOT_FP32) * scale
+            if STORE_SCORES:
+                keep = (j < score_keys)[None, :] & (ok & (score_at >= 0))[:, None]
+                tl.store(score_row[:, None] + j[None, :], s, mask=keep)
+            m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_FP32)
+        for start in range(open_hi, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < hi
             page = tl.load(tables_ptr + table + j // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
@@ -100,26 +149,13 @@ def _attention_kernel(
             kv_mask = j_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = qk(q, k, DOT_FP32)
             visible = j_ok[None, :] & (j[None, :] <= pos[:, None])
             if STORE_SCORES:
                 keep = visible & (j < score_keys)[None, :] & (ok & (score_at >= 0))[:, None]  # never past a row
                 tl.store(score_row[:, None] + j[None, :], s * scale, mask=keep)
             s = tl.where(visible, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, DOT_FP32)
         empty = l_i == 0.0  # a split past a row's position
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -163,6 +199,12 @@ def _combine_kernel(
             tl.store(lse_ptr + row * stride_ln + head, top + tl.log(total))
 
 
+def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    """Triton launch options given (None: the default)."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def block_g(num_heads: int, num_kv_heads: int) -> int:
     """Query heads per KV head, padded to a power of two (the M dimension's inner factor)."""
     return triton.next_power_of_2(num_heads // num_kv_heads)
@@ -192,14 +234,16 @@ def check_scores(scores: torch.Tensor | None, score_rows: torch.Tensor | None, n
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     positions: torch.Tensor, tiles: torch.Tensor, page_size: int, *, tile_rows: int,
-                    num_splits: int = 1, block_n: int = 64, return_lse: bool = False,
+                    num_splits: int = 1, block_n: int | None = None, return_lse: bool = False,
                     out: torch.Tensor | None = None, scores: torch.Tensor | None = None,
-                    score_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    score_rows: torch.Tensor | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs, plus the combine when split. `tiles` must
     have been cut with at most `tile_rows` rows each; tile_rows x block_g >= 16 (tl.dot).
     With `scores` (fp32 [R, Hq, >= every scored row's position + 1]) and `score_rows` ([N]
     int, -1 for none), row i's scaled scores q . k / sqrt(D) of keys 0..pos also go to
-    scores[score_rows[i]] (sparse decode's loop-2 source reads them: no second pass over K)."""
+    scores[score_rows[i]] (sparse decode's loop-2 source reads them: no second pass over K).
+    `block_n`, `num_warps`, `num_stages`: the launch's (None: `BLOCK_N`, Triton's defaults)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, "K and V caches must be [S, Hkv, D]"
@@ -221,6 +265,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_lse = torch.empty(n * num_heads * num_splits, dtype=torch.float32, device=q.device)
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
     store_scores = check_scores(scores, score_rows, n, num_heads)
+    block_n = block_n or BLOCK_N
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, tables, positions, tiles, out, lse_arg, part_o, part_lse,
         scores if store_scores else out, score_rows if store_scores else positions,
@@ -230,7 +275,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scores.shape[2] if store_scores else 0, num_heads, head_dim ** -0.5,
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
         BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=num_splits, DOT_FP32=dot_fp32,
-        WRITE_LSE=return_lse, STORE_SCORES=store_scores,
+        WRITE_LSE=return_lse, STORE_SCORES=store_scores, **launch_options(num_warps, num_stages),
     )
     if num_splits > 1:
         _combine_kernel[(num_tiles, num_heads)](

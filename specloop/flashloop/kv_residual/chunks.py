@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from specloop.kernels.chunk_attention import NEVER, two_source_attention
+from specloop.kernels.chunk_attention import NEVER, seal_reach, two_source_attention
 from specloop.kernels.packed_keys import read_keys
 
 CHUNK_ROWS = 64  # a group of at least this many prompt rows attends as a chunk
@@ -64,6 +64,7 @@ class ChunkReads:
     last: torch.Tensor  # [1] long: the last query's position
     table_offsets: torch.Tensor  # [1] long
     seals: torch.Tensor  # [C] int32
+    reach: torch.Tensor  # [C] int32: `chunk_attention.seal_reach`
 
 
 def chunk_reads(planes: Any, chunk: PromptChunk, positions: torch.Tensor) -> ChunkReads:
@@ -73,8 +74,9 @@ def chunk_reads(planes: Any, chunk: PromptChunk, positions: torch.Tensor) -> Chu
     keys = torch.arange(chunk.context, device=device)
     one = lambda value: torch.full((1,), value, dtype=torch.long, device=device)  # noqa: E731
     seals = planes.seals(one(chunk.cell), chunk.depth, keys[None])[0].clamp(max=NEVER).to(torch.int32)
-    last = positions[chunk.first: chunk.first + chunk.rows].max()[None]
-    return ChunkReads(one(chunk.cell), one(chunk.depth), last, one(chunk.table), seals)
+    rows = positions[chunk.first: chunk.first + chunk.rows]
+    last = rows.max()[None]
+    return ChunkReads(one(chunk.cell), one(chunk.depth), last, one(chunk.table), seals, seal_reach(seals, last))
 
 
 def chunk_attention(planes: Any, layer: int, q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor,
@@ -85,4 +87,4 @@ def chunk_attention(planes: Any, layer: int, q: torch.Tensor, k_tail: torch.Tens
     k_read, v_read = read_keys(k_tail, v_tail, tables, page_size, planes.layer_view(layer), reads.cells,
                                reads.depths, reads.last, reads.table_offsets, chunk.context)
     return two_source_attention(q, k_read[0], v_read[0], k_tail, v_tail, tables, chunk.table, page_size, positions,
-                                reads.seals, reads.last)
+                                reads.seals, reads.last, reach=reads.reach)
