@@ -294,27 +294,203 @@ def _read_keys_kernel(
     k_out_ptr, v_out_ptr,
     stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len, keys,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, SPLIT_PARTS: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
-    """Per (row, KV head, block of keys): the attention kernel's gather, stored."""
+    """Per (row, KV head x part, block of keys): the attention kernel's gather, stored, zeros
+    past the row's position (every output element is written: the outputs start empty).
+    SPLIT_PARTS: K and V by programs of their own (the head axis counts both), each holding
+    one [BLOCK_N, BLOCK_D] tile. GROUPS: `_read_groups_kernel` wrote the blocks of the groups
+    it takes (BLOCK_N divides 64), which are skipped here."""
     n = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    if SPLIT_PARTS:
+        kv_head = tl.program_id(1) // 2
+        part = tl.program_id(1) % 2 + 1  # PARTS: 1 K, 2 V
+    else:
+        kv_head = tl.program_id(1)
+        part = 3
     pos = tl.load(position_ptr + n).to(tl.int32)
+    cell = tl.load(cell_ptr + n).to(tl.int64)
+    depth = tl.load(depth_ptr + n).to(tl.int32)
     start = tl.program_id(2) * BLOCK_N
-    if start <= pos:  # blocks past the row's position stay zero
+    todo = True
+    if GROUPS:
+        done, _r0, _r1, _r2, _r3 = _dense_sealed_group(cell, depth, pos, start // 64, keys, seal_ptr,
+                                                       group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES)
+        todo = done == 0
+    if todo:
         j = start + tl.arange(0, BLOCK_N)
-        k, v = _key_block(
-            j, (j <= pos) & (j < keys), tl.load(cell_ptr + n).to(tl.int64), tl.load(depth_ptr + n).to(tl.int32), pos,
-            tl.load(table_offset_ptr + n).to(tl.int64), kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
-            k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr,
-            stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
-            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
         d = tl.arange(0, BLOCK_D)
         at = ((n * keys + j) * num_kv_heads + kv_head)[:, None] * HEAD_DIM + d[None, :]
         ok = (j < keys)[:, None] & (d < HEAD_DIM)[None, :]
         dtype = k_out_ptr.dtype.element_ty
-        tl.store(k_out_ptr + at, k.to(dtype), mask=ok)
-        tl.store(v_out_ptr + at, v.to(dtype), mask=ok)
+        k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        if start <= pos:  # blocks past the row's position are zeros
+            table = tl.load(table_offset_ptr + n).to(tl.int64)
+            j_ok = (j <= pos) & (j < keys)
+            if SPLIT_PARTS:
+                if part == 1:
+                    k, v = _key_block(
+                        j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
+                        k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+                        row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+                        PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, 1)
+                else:
+                    k, v = _key_block(
+                        j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
+                        k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+                        row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+                        PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, 2)
+            else:
+                k, v = _key_block(
+                    j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
+                    k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+                    row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
+                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
+        if part % 2 == 1:
+            tl.store(k_out_ptr + at, k.to(dtype), mask=ok)
+        if part >= 2:
+            tl.store(v_out_ptr + at, v.to(dtype), mask=ok)
+
+
+@triton.jit
+def _group_plane(ok, base, depth, g, last, group_tables_ptr, row_maps_ptr, max_groups, max_len, p: tl.constexpr,
+                 PLANES: tl.constexpr):
+    """(ok, record) of compact group g at plane p: ok stays set where the plane is past the
+    depth or holds keys 64g..last (last = 64g + 63) densely (their row is their position,
+    so every position before has a row) in a record."""
+    rec = tl.zeros_like(g) - 1
+    if p < PLANES:
+        on = ok & (depth >= p)
+        row = tl.load(row_maps_ptr + (base + p) * max_len + last, mask=on, other=-1)
+        rec = tl.load(group_tables_ptr + (base + p) * max_groups + g, mask=on, other=-1)
+        ok = ok & ((depth < p) | ((row == last) & (rec >= 0)))
+    return ok, rec
+
+
+@triton.jit
+def _dense_sealed_group(cell, depth, pos, g, keys, seal_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len,
+                        PLANES: tl.constexpr):
+    """(ok, records at planes 0..3) of keys 64g..64g + 63: ok when all lie within the row's
+    position and `keys`, every plane up to the depth holds them densely in one record, and
+    the row is at or past the seal of the depth's record (the seal of every key of the
+    group: its deepest row is at the depth), so the row reads all 64 reconstructed."""
+    last = g * 64 + 63
+    ok = (last <= pos) & (last < keys)
+    base = cell * PLANES
+    ok, r0 = _group_plane(ok, base, depth, g, last, group_tables_ptr, row_maps_ptr, max_groups, max_len, 0, PLANES)
+    ok, r1 = _group_plane(ok, base, depth, g, last, group_tables_ptr, row_maps_ptr, max_groups, max_len, 1, PLANES)
+    ok, r2 = _group_plane(ok, base, depth, g, last, group_tables_ptr, row_maps_ptr, max_groups, max_len, 2, PLANES)
+    ok, r3 = _group_plane(ok, base, depth, g, last, group_tables_ptr, row_maps_ptr, max_groups, max_len, 3, PLANES)
+    rec = tl.where(depth == 0, r0, tl.where(depth == 1, r1, tl.where(depth == 2, r2, r3)))
+    seal = tl.load(seal_ptr + tl.where(ok, rec, 0), mask=ok, other=2147483647)
+    return ok & (pos >= seal), r0, r1, r2, r3
+
+
+@triton.jit
+def _plane_record(r0, r1, r2, r3, p: tl.constexpr):
+    if p == 0:
+        return r0.to(tl.int64)
+    elif p == 1:
+        return r1.to(tl.int64)
+    elif p == 2:
+        return r2.to(tl.int64)
+    else:
+        return r3.to(tl.int64)
+
+
+@triton.jit
+def _group_k(n, g, kv_head, depth, r0, r1, r2, r3, k_codes_ptr, k_scale_ptr, k_lo_ptr, k_out_ptr, num_kv_heads, keys,
+             HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """K of a group: even and odd rows [32, BLOCK_D] (a code byte's two nibbles), one [D]
+    scale and lo load a plane, stored."""
+    dtype = k_out_ptr.dtype.element_ty
+    i = tl.arange(0, 32)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    d_ok = d < HEAD_DIM
+    even = tl.zeros([32, BLOCK_D], tl.float32)
+    odd = tl.zeros([32, BLOCK_D], tl.float32)
+    for p in tl.static_range(PLANES):
+        if depth >= p:
+            rec = _plane_record(r0, r1, r2, r3, p)
+            byte = tl.load(k_codes_ptr + ((rec * 32 + i) * num_kv_heads + kv_head) * HEAD_DIM + d, mask=d_ok,
+                           other=0).to(tl.int32)
+            each = (rec * num_kv_heads + kv_head) * HEAD_DIM + d
+            scale = tl.load(k_scale_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
+            lo = tl.load(k_lo_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
+            de = round_to(lo + scale * (byte & 0xF).to(tl.float32), dtype, BF16_BY_HAND)
+            do = round_to(lo + scale * (byte >> 4).to(tl.float32), dtype, BF16_BY_HAND)
+            if p == 0:
+                even = de
+                odd = do
+            else:
+                even = round_to(even + de, dtype, BF16_BY_HAND)
+                odd = round_to(odd + do, dtype, BF16_BY_HAND)
+    at = ((n * keys + g * 64 + 2 * i) * num_kv_heads + kv_head) * HEAD_DIM + d
+    tl.store(k_out_ptr + at, even.to(dtype), mask=d_ok)
+    tl.store(k_out_ptr + at + num_kv_heads * HEAD_DIM, odd.to(dtype), mask=d_ok)
+
+
+@triton.jit
+def _group_v(n, g, kv_head, depth, r0, r1, r2, r3, v_codes_ptr, v_scale_ptr, v_lo_ptr, v_out_ptr, num_kv_heads, keys,
+             HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+             BF16_BY_HAND: tl.constexpr):
+    """V of a group: channels 2c and 2c + 1 [64, BLOCK_D / 2] (a code byte's two nibbles),
+    scale and lo per (row, 64 channels), stored interleaved back into channel order."""
+    dtype = v_out_ptr.dtype.element_ty
+    i = tl.arange(0, 64)[:, None]
+    c = tl.arange(0, BLOCK_D // 2)[None, :]
+    c_ok = c < HEAD_DIM // 2
+    even = tl.zeros([64, BLOCK_D // 2], tl.float32)
+    odd = tl.zeros([64, BLOCK_D // 2], tl.float32)
+    for p in tl.static_range(PLANES):
+        if depth >= p:
+            vrow = (_plane_record(r0, r1, r2, r3, p) * 64 + i) * num_kv_heads + kv_head
+            byte = tl.load(v_codes_ptr + vrow * (HEAD_DIM // 2) + c, mask=c_ok, other=0).to(tl.int32)
+            meta = vrow * V_GROUPS + (2 * c) // 64
+            scale = tl.load(v_scale_ptr + meta, mask=c_ok, other=0.0).to(tl.float32)
+            lo = tl.load(v_lo_ptr + meta, mask=c_ok, other=0.0).to(tl.float32)
+            de = round_to(lo + scale * (byte & 0xF).to(tl.float32), dtype, BF16_BY_HAND)
+            do = round_to(lo + scale * (byte >> 4).to(tl.float32), dtype, BF16_BY_HAND)
+            if p == 0:
+                even = de
+                odd = do
+            else:
+                even = round_to(even + de, dtype, BF16_BY_HAND)
+                odd = round_to(odd + do, dtype, BF16_BY_HAND)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    at = ((n * keys + g * 64 + i) * num_kv_heads + kv_head) * HEAD_DIM + d
+    tl.store(v_out_ptr + at, tl.interleave(even, odd).to(dtype), mask=d < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize_on_alignment=_INDEX_POINTERS)
+def _read_groups_kernel(
+    k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
+    row_maps_ptr, cell_ptr, depth_ptr, position_ptr, k_out_ptr, v_out_ptr, num_kv_heads, max_groups, max_len, keys,
+    HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
+    """`read_keys`'s group pass, per (row, KV head x K | V, 64-key group): a group the row
+    reads whole and reconstructed from dense planes (`_dense_sealed_group`) is decoded
+    straight from its records (`_group_k`, `_group_v`) with the gather's arithmetic
+    (`_plane_decode`), so the same bits. Other groups are left to `_read_keys_kernel`,
+    which skips these. (K and V bodies live in functions of their own: a compiled if/else
+    must give the names both branches assign one shape.)"""
+    n = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1) // 2
+    g = tl.program_id(2)
+    pos = tl.load(position_ptr + n).to(tl.int32)
+    depth = tl.load(depth_ptr + n).to(tl.int32)
+    ok, r0, r1, r2, r3 = _dense_sealed_group(tl.load(cell_ptr + n).to(tl.int64), depth, pos, g, keys, seal_ptr,
+                                             group_tables_ptr, row_maps_ptr, max_groups, max_len, PLANES)
+    if ok:
+        if tl.program_id(1) % 2 == 0:
+            _group_k(n, g, kv_head, depth, r0, r1, r2, r3, k_codes_ptr, k_scale_ptr, k_lo_ptr, k_out_ptr,
+                     num_kv_heads, keys, HEAD_DIM, PLANES, BLOCK_D, BF16_BY_HAND)
+        else:
+            _group_v(n, g, kv_head, depth, r0, r1, r2, r3, v_codes_ptr, v_scale_ptr, v_lo_ptr, v_out_ptr,
+                     num_kv_heads, keys, HEAD_DIM, PLANES, V_GROUPS, BLOCK_D, BF16_BY_HAND)
 
 
 def _check(q_or_none: torch.Tensor | None, k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor,
@@ -359,19 +535,36 @@ def _storage(k_tail, v_tail, tables, packed: PackedKV) -> tuple[torch.Tensor, ..
 
 def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
                      packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor,
-                     table_offset: torch.Tensor, keys: int, *, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention kernel's gather (`_key_block`), stored: K and V [N, keys, Hkv, D]."""
+                     table_offset: torch.Tensor, keys: int, *, groups: bool = True, group_warps: int = 4,
+                     block_n: int = 32, num_warps: int | None = 8,
+                     split_parts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention kernel's gather (`_key_block`), stored: K and V [N, keys, Hkv, D].
+    `groups`: whole groups a row reads reconstructed from dense planes go to a lean pass of
+    their own first (`_read_groups_kernel`); the gather kernel takes the rest, `block_n`
+    keys a program, `split_parts`: K and V by separate programs. Defaults: see
+    bench/read_keys_sweep.py."""
     rows = (cell, depth, position, table_offset)
     _check(None, k_tail, v_tail, tables, packed, rows)
+    assert not groups or 64 % block_n == 0, "with the group pass, block_n divides 64"
     n = cell.shape[0]
-    k_out = k_tail.new_zeros(n, keys, *k_tail.shape[1:])
-    v_out = torch.zeros_like(k_out)
-    if n and keys:
-        _read_keys_kernel[(n, k_tail.shape[1], triton.cdiv(keys, block_n))](
-            *_storage(k_tail, v_tail, tables, packed), *rows, k_out, v_out,
-            k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1), k_tail.shape[1],
-            packed.group_tables.shape[2], packed.row_maps.shape[2], keys, BLOCK_N=block_n,
-            enable_fp_fusion=False, **_common(k_tail, packed, page_size))
+    k_out = k_tail.new_empty(n, keys, *k_tail.shape[1:])
+    v_out = torch.empty_like(k_out)
+    if n == 0 or keys == 0:
+        return k_out, v_out
+    common = _common(k_tail, packed, page_size)
+    heads = k_tail.shape[1]
+    if groups and keys >= GROUP:
+        _read_groups_kernel[(n, heads * 2, keys // GROUP)](
+            packed.k.codes, packed.k.scale, packed.k.lo, packed.v.codes, packed.v.scale, packed.v.lo, packed.seal,
+            packed.group_tables, packed.row_maps, cell, depth, position, k_out, v_out, heads,
+            packed.group_tables.shape[2], packed.row_maps.shape[2], keys, HEAD_DIM=common["HEAD_DIM"],
+            PLANES=common["PLANES"], V_GROUPS=common["V_GROUPS"], BLOCK_D=common["BLOCK_D"],
+            BF16_BY_HAND=common["BF16_BY_HAND"], enable_fp_fusion=False, num_warps=group_warps)
+    _read_keys_kernel[(n, heads * (2 if split_parts else 1), triton.cdiv(keys, block_n))](
+        *_storage(k_tail, v_tail, tables, packed), *rows, k_out, v_out,
+        k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1), heads,
+        packed.group_tables.shape[2], packed.row_maps.shape[2], keys, BLOCK_N=block_n, SPLIT_PARTS=split_parts,
+        GROUPS=groups, enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}), **common)
     return k_out, v_out
 
 

@@ -260,8 +260,9 @@ def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
                          ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
                          k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                          v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, *,
-                         sink: int | None = None) -> None:
-    """One launch of (candidates, KV heads, K | V) programs; no host sync."""
+                         sink: int | None = None, num_warps: int | None = None) -> None:
+    """One launch of (candidates, KV heads, K | V) programs; no host sync. `num_warps`:
+    Triton's default when None (bench/int4_prefill_sweep.py times others)."""
     args = (k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
             v_codes, v_scale, v_lo, group_tables, row_maps)
     _check(*args)
@@ -277,7 +278,8 @@ def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
         k_codes.shape[0] - 1 if sink is None else sink,
         PLANE=plane, PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
-        BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False)
+        BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False,
+        **({} if num_warps is None else {"num_warps": num_warps}))
 
 
 # --- torch reference ------------------------------------------------------------------
