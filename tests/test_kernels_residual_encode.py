@@ -208,3 +208,58 @@ def test_kernel_encodes_what_the_torch_path_encodes(dim, heads, dtype):
 def test_fp16_and_rows_that_skip_planes():
     """fp16; a cell whose rows are not nested (a row at plane p without one at p - 1)."""
     _run(16, 2, torch.float16, [(1, 0.5, 0.5, 0.5), (-1, 0.8, 0.7, 0.9)], t=256, seed=7)
+
+
+@pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 96), (torch.float32, 32)])
+def test_dense_pass_encodes_what_the_general_body_encodes(dtype, dim):
+    """Dense candidates (64 consecutive positions from a multiple of 64, every plane before
+    theirs holding those positions as the same rows of one group's record) go to a launch
+    of their own that reconstructs from whole records; every byte equals the general body's
+    and the torch reference's, at each plane. A probe shows the dense launch takes them:
+    row maps broken inside such groups (not at their last position, which it checks)
+    change nothing it writes, and what the general body alone writes."""
+    from specloop.kernels.int4_groups import quantize_k_groups, quantize_v_groups
+    from specloop.kernels.residual_encode import encode_groups_reference, encode_groups_triton
+    gen = torch.Generator().manual_seed(dim)
+    heads, length, groups = 2, 256, 4
+    ng = PLANES * groups + 1  # the last record: the sink
+    group_tables = torch.arange(PLANES * groups, dtype=torch.int32).view(1, PLANES, groups).to(DEVICE)
+    row_maps = torch.arange(length, dtype=torch.int32).expand(1, PLANES, length).contiguous().to(DEVICE)
+    shrink = torch.tensor([1.0] + [0.1] * (PLANES - 1)).repeat_interleave(groups)
+    shrink = torch.cat([shrink, torch.ones(1)])
+    k = (torch.randn(ng, GROUP, heads, dim, generator=gen) * shrink[:, None, None, None]).to(dtype).to(DEVICE)
+    v = (torch.randn(ng * GROUP, heads, dim, generator=gen) * shrink.repeat_interleave(GROUP)[:, None, None]
+         ).to(dtype).to(DEVICE)
+    kg = quantize_k_groups(k, torch.full((ng,), GROUP, device=DEVICE))
+    vg = quantize_v_groups(v)
+    pools = [kg.codes, kg.scale, kg.lo, vg.codes, vg.scale, vg.lo]
+    k_tail = torch.randn(length, heads, dim, generator=gen).to(dtype).to(DEVICE)
+    v_tail = torch.randn(length, heads, dim, generator=gen).to(dtype).to(DEVICE)
+    tables = torch.randperm(length // PAGE, generator=gen).to(torch.int32).repeat(PLANES).to(DEVICE)
+    cand = torch.tensor([1, 2, 3], device=DEVICE)  # groups of the last three: 64..255
+    positions = (cand[:, None] * GROUP + torch.arange(GROUP, device=DEVICE)).to(torch.int32)
+    cells = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    ready = torch.tensor([True, True, False], device=DEVICE)
+
+    def encode(fn, plane, maps, **kw):
+        out = [t.clone() for t in pools]
+        records = group_tables[0, plane, cand].contiguous()
+        offsets = torch.full((3,), plane * (length // PAGE), dtype=torch.int32, device=DEVICE)
+        fn(k_tail, v_tail, tables, PAGE, plane, cells, positions, records, ready, offsets, *out, group_tables, maps,
+           sink=ng - 1, **kw)
+        return out
+
+    for plane in range(PLANES):
+        dense = encode(encode_groups_triton, plane, row_maps)
+        for got, want in zip(dense, encode(encode_groups_triton, plane, row_maps, dense=False)):
+            _same(got, want, f"dense launch against the general body, plane {plane}")
+        for got, want in zip(dense, encode(encode_groups_reference, plane, row_maps)):
+            _same(got, want, f"dense launch against the reference, plane {plane}")
+    broken = row_maps.clone()
+    inside = torch.arange(GROUP, length - GROUP, device=DEVICE)
+    broken[0, :, inside[inside % GROUP != GROUP - 1]] = -1
+    clean = encode(encode_groups_triton, PLANES - 1, row_maps)
+    for got, want in zip(encode(encode_groups_triton, PLANES - 1, broken), clean):
+        _same(got, want, "the dense launch reads no row map inside its groups")
+    general = encode(encode_groups_triton, PLANES - 1, broken, dense=False)
+    assert not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(general, clean))
