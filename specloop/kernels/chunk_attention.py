@@ -53,7 +53,10 @@ NEVER = 2**31 - 1
 LAUNCH = {"m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.jit
+# A chunk's row count, context and table offset change with every chunk and request, and its
+# positions are a slice of the pass's: none is specialized, so a new prompt compiles no
+# variant inside a request (`bench/compile_variants.py`).
+@triton.jit(do_not_specialize=["num_rows", "num_keys", "table"], do_not_specialize_on_alignment=["positions_ptr"])
 def _two_source_kernel(
     q_ptr, kr_ptr, vr_ptr, kt_ptr, vt_ptr, tables_ptr, positions_ptr, seals_ptr, last_ptr, reach_ptr, out_ptr,
     stride_qn, stride_qh, stride_krn, stride_krh, stride_vrn, stride_vrh, stride_ks, stride_kh, stride_vs, stride_vh,

@@ -283,11 +283,11 @@ def _key_block(
 
 # The index arrays are slices of a pass's arrays at any offset, and the split count follows
 # the pass's longest context: neither is specialized, so a new length compiles no variant
-# inside a request (`bench/compile_variants.py`).
+# inside a request (`bench/compile_variants.py`); nor is `read_keys`' key count.
 _INDEX_POINTERS = ["tables_ptr", "cell_ptr", "depth_ptr", "position_ptr", "table_offset_ptr", "tiles_ptr"]
 
 
-@triton.jit(do_not_specialize_on_alignment=_INDEX_POINTERS)
+@triton.jit(do_not_specialize=["keys"], do_not_specialize_on_alignment=_INDEX_POINTERS)
 def _read_keys_kernel(
     k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr,
     seal_ptr, group_tables_ptr, row_maps_ptr, cell_ptr, depth_ptr, position_ptr, table_offset_ptr,
@@ -464,7 +464,7 @@ def _group_v(n, g, kv_head, depth, r0, r1, r2, r3, v_codes_ptr, v_scale_ptr, v_l
     tl.store(v_out_ptr + at, tl.interleave(even, odd).to(dtype), mask=d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize_on_alignment=_INDEX_POINTERS)
+@triton.jit(do_not_specialize=["keys"], do_not_specialize_on_alignment=_INDEX_POINTERS)
 def _read_groups_kernel(
     k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
     row_maps_ptr, cell_ptr, depth_ptr, position_ptr, k_out_ptr, v_out_ptr, num_kv_heads, max_groups, max_len, keys,
