@@ -535,8 +535,8 @@ def _storage(k_tail, v_tail, tables, packed: PackedKV) -> tuple[torch.Tensor, ..
 
 def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
                      packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor,
-                     table_offset: torch.Tensor, keys: int, *, groups: bool = True, group_warps: int = 4,
-                     block_n: int = 32, num_warps: int | None = 8,
+                     table_offset: torch.Tensor, keys: int, *, groups: bool = True, group_warps: int = 8,
+                     block_n: int = 32, num_warps: int | None = 4,
                      split_parts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention kernel's gather (`_key_block`), stored: K and V [N, keys, Hkv, D].
     `groups`: whole groups a row reads reconstructed from dense planes go to a lean pass of
