@@ -17,8 +17,8 @@ dense, every group sealed but the last --tail positions), at ouro-1.4b's KV shap
   `bytes` counts what a read writes (K and V in the model dtype) plus the packed bytes it
   decodes (codes and fp16 parameters of each plane up to the depth).
 - encode: one layer's `encode_groups_triton` of one plane for the --chunk rows before
-  --length (the groups a prompt chunk seals), per plane, with its dense launch on and off,
-  across warps, into copies of the records (the bytes must equal the first launch's).
+  --length (the groups a prompt chunk seals), per plane, across warps, into copies of the
+  records (the bytes must equal the default launch's).
 
 Times: median of --reps replays of a CUDA graph of the call (packed_reader_sweep's
 `time_ms`). `copy`: torch copying K and V tensors of a read's output size (bytes read +
@@ -94,22 +94,21 @@ def sweep_encodes(args, case: dict, device: str) -> list[dict]:
         records = packed.group_tables[0, plane, groups].contiguous()
         offsets = torch.full((m,), plane * case["pages_per_plane"], dtype=torch.int32, device=device)
         base = None
-        for dense, warps in itertools.product([bool(d) for d in ints(args.encode_dense)], ints(args.encode_warps)):
+        for warps in ints(args.encode_warps):
             out = [t.clone() for t in (packed.k.codes, packed.k.scale, packed.k.lo, packed.v.codes, packed.v.scale,
                                        packed.v.lo)]
 
             def run() -> None:
                 encode_groups_triton(case["k_tail"], case["v_tail"], case["tables"], args.page, plane, cells,
                                      positions, records, ready, offsets, *out, packed.group_tables,
-                                     packed.row_maps, sink=0, dense=dense, num_warps=warps)
+                                     packed.row_maps, sink=0, num_warps=warps)
             run()
             if base is None:
                 base = [t.clone() for t in out]
-            assert all(torch.equal(a, b) for a, b in zip(out, base)), f"encode dense {dense} warps {warps} differs"
+            assert all(torch.equal(a, b) for a, b in zip(out, base)), f"encode with {warps} warps differs"
             ms = time_ms(run, args.reps)
-            results.append({"plane": plane, "candidates": m, "dense": dense, "num_warps": warps, "us": ms * 1e3})
-            print(f"encode plane {plane}: {m} groups, dense {int(dense)} warps {warps}: {ms * 1e3:7.1f} us",
-                  flush=True)
+            results.append({"plane": plane, "candidates": m, "num_warps": warps, "us": ms * 1e3})
+            print(f"encode plane {plane}: {m} groups, warps {warps}: {ms * 1e3:7.1f} us", flush=True)
     return results
 
 
@@ -129,7 +128,6 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--split", default="0,1")
     ap.add_argument("--encode-warps", default="4,8")
-    ap.add_argument("--encode-dense", default="1,0", help="encode's dense launch on (1) or off (0)")
     ap.add_argument("--parts", default="read,encode")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()

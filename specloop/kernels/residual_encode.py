@@ -131,7 +131,9 @@ def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th,
     """What plane PLANE quantizes at (positions pos, channels c), fp32 holding DT: the exact
     value from the tail, minus the reconstruction at plane PLANE - 1 when PLANE > 0."""
     dtype = tail_ptr.dtype.element_ty
-    x = _tail(pos, c, ok, table, head, tail_ptr, stride_ts, stride_th, tables_ptr, PAGE_SIZE)
+    page = tl.load(tables_ptr + table + pos // PAGE_SIZE).to(tl.int64)
+    slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    x = tl.load(tail_ptr + slot * stride_ts + head * stride_th + c, mask=ok, other=0.0).to(tl.float32)
     if PLANE > 0:
         hat, _ = _dequantized(pos, c, ok, base, 0, head, sink, codes_ptr, scale_ptr, lo_ptr, group_tables_ptr,
                               row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V, HEAD_DIM, V_GROUPS, dtype,
@@ -143,17 +145,6 @@ def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th,
             hat = tl.where(has, round_to(hat + dq, dtype, BF16_BY_HAND), hat)
         x = round_to(x - hat, dtype, BF16_BY_HAND)
     return x
-
-
-@triton.jit
-def _store_k(a, b, ok, p, d, head, record, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, HEAD_DIM: tl.constexpr):
-    """Quantize and store K: even rows `a` and odd rows `b` [32, BLOCK_D], per-channel parameters."""
-    lo16, scale16, varies = _stats(a, b, ok, ok, 0)  # per channel [1, BLOCK_D]
-    byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
-    tl.store(k_codes_ptr + ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, byte.to(tl.uint8), mask=ok)
-    meta = (record * num_kv_heads + head) * HEAD_DIM + d
-    tl.store(k_scale_ptr + meta, scale16.to(tl.float16), mask=ok)
-    tl.store(k_lo_ptr + meta, lo16.to(tl.float16), mask=ok)
 
 
 @triton.jit
@@ -174,67 +165,12 @@ def _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_
     b = _target(pos_b, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
                 k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
                 max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-    _store_k(a, b, ok, p, d, head, record, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, HEAD_DIM)
-
-
-@triton.jit
-def _tail(pos, c, ok, table, head, tail_ptr, stride_ts, stride_th, tables_ptr, PAGE_SIZE: tl.constexpr):
-    """The exact values at (positions pos, channels c) from the tail, fp32."""
-    page = tl.load(tables_ptr + table + pos // PAGE_SIZE).to(tl.int64)
-    slot = page * PAGE_SIZE + pos % PAGE_SIZE
-    return tl.load(tail_ptr + slot * stride_ts + head * stride_th + c, mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _dense_k(first, head, base, g, record, table, k_tail_ptr, stride_ks, stride_kh, tables_ptr, k_codes_ptr,
-             k_scale_ptr, k_lo_ptr, group_tables_ptr, num_kv_heads, max_groups,
-             PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             BF16_BY_HAND: tl.constexpr):
-    """`_encode_k` for a dense candidate (`_dense_candidate`): rows 2p and 2p + 1 are
-    positions first + 2p and first + 2p + 1, and at each plane before PLANE their rows
-    are rows 2p, 2p + 1 of group g's record: one code byte holds both, one [D] scale and
-    lo load a plane; the same arithmetic as `_target`, so the same bytes."""
-    p = tl.arange(0, 32)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    ok = d < HEAD_DIM
-    dtype = k_tail_ptr.dtype.element_ty
-    a = _tail(first + 2 * p, d, ok, table, head, k_tail_ptr, stride_ks, stride_kh, tables_ptr, PAGE_SIZE)
-    b = _tail(first + 2 * p + 1, d, ok, table, head, k_tail_ptr, stride_ks, stride_kh, tables_ptr, PAGE_SIZE)
-    if PLANE > 0:
-        hat_a = tl.zeros_like(a)
-        hat_b = tl.zeros_like(b)
-        for q in tl.static_range(PLANE):
-            rec = tl.load(group_tables_ptr + (base + q) * max_groups + g).to(tl.int64)
-            byte = tl.load(k_codes_ptr + ((rec * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, mask=ok,
-                           other=0).to(tl.int32)
-            meta = (rec * num_kv_heads + head) * HEAD_DIM + d
-            scale = tl.load(k_scale_ptr + meta, mask=ok, other=1.0).to(tl.float32)
-            lo = tl.load(k_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-            dq_a = round_to(lo + scale * (byte & 0xF).to(tl.float32), dtype, BF16_BY_HAND)
-            dq_b = round_to(lo + scale * (byte >> 4).to(tl.float32), dtype, BF16_BY_HAND)
-            if q == 0:
-                hat_a = dq_a
-                hat_b = dq_b
-            else:
-                hat_a = round_to(hat_a + dq_a, dtype, BF16_BY_HAND)
-                hat_b = round_to(hat_b + dq_b, dtype, BF16_BY_HAND)
-        a = round_to(a - hat_a, dtype, BF16_BY_HAND)
-        b = round_to(b - hat_b, dtype, BF16_BY_HAND)
-    _store_k(a, b, ok, p, d, head, record, k_codes_ptr, k_scale_ptr, k_lo_ptr, num_kv_heads, HEAD_DIM)
-
-
-@triton.jit
-def _store_v(a, b, ok, i, j, c, head, record, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads,
-             HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr):
-    """Quantize and store V: even channels `a` and odd channels `b` [64, BLOCK_G, 32],
-    parameters per (row, 64 channels)."""
-    lo16, scale16, varies = _stats(a, b, ok, ok, 2)  # per (row, group) [64, BLOCK_G, 1]
+    lo16, scale16, varies = _stats(a, b, ok, ok, 0)  # per channel [1, BLOCK_D]
     byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
-    vrow = (record * 64 + i) * num_kv_heads + head
-    tl.store(v_codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, byte.to(tl.uint8), mask=ok)
-    meta = vrow * V_GROUPS + j
-    tl.store(v_scale_ptr + meta, scale16.to(tl.float16), mask=j < V_GROUPS)
-    tl.store(v_lo_ptr + meta, lo16.to(tl.float16), mask=j < V_GROUPS)
+    tl.store(k_codes_ptr + ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, byte.to(tl.uint8), mask=ok)
+    meta = (record * num_kv_heads + head) * HEAD_DIM + d
+    tl.store(k_scale_ptr + meta, scale16.to(tl.float16), mask=ok)
+    tl.store(k_lo_ptr + meta, lo16.to(tl.float16), mask=ok)
 
 
 @triton.jit
@@ -255,63 +191,13 @@ def _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_
     b = _target(pos, c + 1, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
                 v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
                 max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-    _store_v(a, b, ok, i, j, c, head, record, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads, HEAD_DIM, V_GROUPS)
-
-
-@triton.jit
-def _dense_v(first, head, base, g, record, table, v_tail_ptr, stride_vs, stride_vh, tables_ptr, v_codes_ptr,
-             v_scale_ptr, v_lo_ptr, group_tables_ptr, num_kv_heads, max_groups,
-             PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
-             BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """`_encode_v` for a dense candidate: row i is position first + i and row i of group g's
-    record at each plane before PLANE; one code byte holds channels c and c + 1, scale and
-    lo loaded once per (row, 64 channels)."""
-    i = tl.arange(0, 64)[:, None, None]
-    j = tl.arange(0, BLOCK_G)[None, :, None]
-    c = 64 * j + 2 * tl.arange(0, 32)[None, None, :]
-    ok = c < HEAD_DIM
-    dtype = v_tail_ptr.dtype.element_ty
-    a = _tail(first + i, c, ok, table, head, v_tail_ptr, stride_vs, stride_vh, tables_ptr, PAGE_SIZE)
-    b = _tail(first + i, c + 1, ok, table, head, v_tail_ptr, stride_vs, stride_vh, tables_ptr, PAGE_SIZE)
-    if PLANE > 0:
-        hat_a = tl.zeros_like(a)
-        hat_b = tl.zeros_like(b)
-        for q in tl.static_range(PLANE):
-            rec = tl.load(group_tables_ptr + (base + q) * max_groups + g).to(tl.int64)
-            vrow = (rec * 64 + i) * num_kv_heads + head
-            byte = tl.load(v_codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, mask=ok, other=0).to(tl.int32)
-            meta = vrow * V_GROUPS + j
-            scale = tl.load(v_scale_ptr + meta, mask=j < V_GROUPS, other=1.0).to(tl.float32)
-            lo = tl.load(v_lo_ptr + meta, mask=j < V_GROUPS, other=0.0).to(tl.float32)
-            dq_a = round_to(lo + scale * (byte & 0xF).to(tl.float32), dtype, BF16_BY_HAND)
-            dq_b = round_to(lo + scale * (byte >> 4).to(tl.float32), dtype, BF16_BY_HAND)
-            if q == 0:
-                hat_a = dq_a
-                hat_b = dq_b
-            else:
-                hat_a = round_to(hat_a + dq_a, dtype, BF16_BY_HAND)
-                hat_b = round_to(hat_b + dq_b, dtype, BF16_BY_HAND)
-        a = round_to(a - hat_a, dtype, BF16_BY_HAND)
-        b = round_to(b - hat_b, dtype, BF16_BY_HAND)
-    _store_v(a, b, ok, i, j, c, head, record, v_codes_ptr, v_scale_ptr, v_lo_ptr, num_kv_heads, HEAD_DIM, V_GROUPS)
-
-
-@triton.jit
-def _dense_candidate(m, base, positions_ptr, group_tables_ptr, row_maps_ptr, max_groups, max_len,
-                     PLANE: tl.constexpr):
-    """(dense, first, g) of candidate m: dense when its 64 positions are first..first + 63
-    with first = 64g, and at every plane before PLANE position first + 63 is row first + 63
-    (so every position up to it has a row: rows first.. are group g's) of a group with a
-    record. Its reconstruction then needs no per-position gather (`_dense_k`, `_dense_v`)."""
-    first = tl.load(positions_ptr + m * 64).to(tl.int64)
-    last = tl.load(positions_ptr + m * 64 + 63).to(tl.int64)
-    g = first // 64
-    dense = (first % 64 == 0) & (last == first + 63)
-    for q in tl.static_range(PLANE):
-        row = tl.load(row_maps_ptr + (base + q) * max_len + last, mask=dense, other=-1)
-        rec = tl.load(group_tables_ptr + (base + q) * max_groups + g, mask=dense, other=-1)
-        dense = dense & (row == last) & (rec >= 0)
-    return dense, first, g
+    lo16, scale16, varies = _stats(a, b, ok, ok, 2)  # per (row, group) [64, BLOCK_G, 1]
+    byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
+    vrow = (record * 64 + i) * num_kv_heads + head
+    tl.store(v_codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, byte.to(tl.uint8), mask=ok)
+    meta = vrow * V_GROUPS + j
+    tl.store(v_scale_ptr + meta, scale16.to(tl.float16), mask=j < V_GROUPS)
+    tl.store(v_lo_ptr + meta, lo16.to(tl.float16), mask=j < V_GROUPS)
 
 
 @triton.jit
@@ -320,10 +206,8 @@ def _encode_kernel(
     k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
     stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, num_planes, max_groups, max_len, sink,
     PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
-    # PASS 0: every ready candidate through the general body; 1: the dense candidates
-    # (`_dense_candidate`) alone, through the dense bodies; 2: the others, general.
     # K and V bodies live in their own functions: a compiled if/else must give the names
     # both branches assign one type, and K's tiles are 2-D where V's are 3-D.
     m = tl.program_id(0).to(tl.int64)
@@ -332,31 +216,16 @@ def _encode_kernel(
         base = tl.load(cells_ptr + m).to(tl.int64) * num_planes  # (cell, plane 0) of the tables
         record = tl.load(records_ptr + m).to(tl.int64)
         table = tl.maximum(tl.load(table_offsets_ptr + m).to(tl.int64), 0)
-        dense = False
-        if PASS > 0:
-            dense, first, g = _dense_candidate(m, base, positions_ptr, group_tables_ptr, row_maps_ptr, max_groups,
-                                               max_len, PLANE)
-        if PASS == 1:
-            if dense:
-                if tl.program_id(2) == 0:
-                    _dense_k(first, head, base, g, record, table, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
-                             k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, num_kv_heads, max_groups,
-                             PLANE, PAGE_SIZE, HEAD_DIM, BLOCK_D, BF16_BY_HAND)
-                else:
-                    _dense_v(first, head, base, g, record, table, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
-                             v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, num_kv_heads, max_groups,
-                             PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G, BF16_BY_HAND)
-        elif dense == 0:
-            if tl.program_id(2) == 0:
-                _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
-                          positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr,
-                          num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D,
-                          BF16_BY_HAND)
-            else:
-                _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
-                          positions_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
-                          num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G,
-                          BF16_BY_HAND)
+        if tl.program_id(2) == 0:
+            _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
+                      positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr,
+                      num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D,
+                      BF16_BY_HAND)
+        else:
+            _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
+                      positions_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
+                      num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G,
+                      BF16_BY_HAND)
 
 
 def _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
@@ -391,11 +260,9 @@ def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
                          ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
                          k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                          v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, *,
-                         sink: int | None = None, dense: bool = True, num_warps: int | None = None) -> None:
-    """Launches of (candidates, KV heads, K | V) programs; no host sync. `dense`: dense
-    candidates by a launch of their own first (`_dense_candidate`), the rest after; else
-    every candidate through the general body. `num_warps`: Triton's default when None
-    (bench/int4_prefill_sweep.py times others)."""
+                         sink: int | None = None, num_warps: int | None = None) -> None:
+    """One launch of (candidates, KV heads, K | V) programs; no host sync. `num_warps`:
+    Triton's default when None (bench/int4_prefill_sweep.py times others)."""
     args = (k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
             v_codes, v_scale, v_lo, group_tables, row_maps)
     _check(*args)
@@ -404,16 +271,15 @@ def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
         return
     heads, dim = k_tail.shape[1:]
     v_groups = triton.cdiv(dim, GROUP)
-    for pass_ in ((1, 2) if dense else (0,)):
-        _encode_kernel[(m, heads, 2)](
-            k_tail, v_tail, tables, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo, v_codes,
-            v_scale, v_lo, group_tables, row_maps, k_tail.stride(0), k_tail.stride(1), v_tail.stride(0),
-            v_tail.stride(1), heads, row_maps.shape[1], group_tables.shape[2], row_maps.shape[2],
-            k_codes.shape[0] - 1 if sink is None else sink,
-            PLANE=plane, PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
-            BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, PASS=pass_, enable_fp_fusion=False,
-            **({} if num_warps is None else {"num_warps": num_warps}))
+    _encode_kernel[(m, heads, 2)](
+        k_tail, v_tail, tables, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo, v_codes,
+        v_scale, v_lo, group_tables, row_maps, k_tail.stride(0), k_tail.stride(1), v_tail.stride(0),
+        v_tail.stride(1), heads, row_maps.shape[1], group_tables.shape[2], row_maps.shape[2],
+        k_codes.shape[0] - 1 if sink is None else sink,
+        PLANE=plane, PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
+        BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False,
+        **({} if num_warps is None else {"num_warps": num_warps}))
 
 
 # --- torch reference ------------------------------------------------------------------
