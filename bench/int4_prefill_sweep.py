@@ -11,11 +11,13 @@ dense, every group sealed but the last --tail positions), at ouro-1.4b's KV shap
   keys at each depth of --depths (0-based: depth 3 decodes four planes), what each prompt
   chunk of an INT4 prefill reads per layer and loop before its attention
   (`flashloop/kv_residual/chunks.py`), with its group pass on and off, across the gather
-  kernel's key block sizes, warps and K / V split (and the group pass's warps). Every
-  configuration's output must equal the default launch's bit for bit, and the default's
-  the torch reference's on a slice.
-  `bytes` counts what a read writes (K and V in the model dtype) plus the packed bytes it
-  decodes (codes and fp16 parameters of each plane up to the depth).
+  kernel's key block sizes and warps and the group pass's warps (the recorded
+  bench/results/int4_prefill_sweep_h200.json also swept K and V in programs of their own,
+  since deleted: slower everywhere, and the encoder's dense launch, since reverted: no
+  faster). Every configuration's output must equal the default launch's bit for bit, and
+  the default's the torch reference's on a slice. `bytes` counts what a read writes (K and
+  V in the model dtype) plus the packed bytes it decodes (codes and fp16 parameters of each
+  plane up to the depth).
 - encode: one layer's `encode_groups_triton` of one plane for the --chunk rows before
   --length (the groups a prompt chunk seals), per plane, across warps, into copies of the
   records (the bytes must equal the default launch's).
@@ -56,7 +58,7 @@ def sweep_reads(args, case: dict, device: str, copy_ms: float) -> list[dict]:
     plane_bytes = sum(t.numel() * t.element_size() for t in (packed.k.codes, packed.k.scale, packed.k.lo,
                                                               packed.v.codes, packed.v.scale, packed.v.lo)) / planes
     configs = [c for c in itertools.product([bool(g) for g in ints(args.groups)], ints(args.group_warps),
-                                            ints(args.block_n), ints(args.warps), [bool(s) for s in ints(args.split)])
+                                            ints(args.block_n), ints(args.warps))
                if not (c[0] and 64 % c[2]) and (c[0] or c[1] == ints(args.group_warps)[0])]
     storage = (case["k_tail"], case["v_tail"], case["tables"], args.page, packed)
     results = []
@@ -69,14 +71,13 @@ def sweep_reads(args, case: dict, device: str, copy_ms: float) -> list[dict]:
         got_k, got_v = read_keys_triton(*storage, *ref_rows, cut)
         assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v), "read_keys differs from its reference"
         moved = out_bytes + plane_bytes * (depth + 1)
-        for groups, group_warps, block_n, warps, split in configs:
-            kw = dict(groups=groups, group_warps=group_warps, block_n=block_n, num_warps=warps, split_parts=split)
+        for groups, group_warps, block_n, warps in configs:
+            kw = dict(groups=groups, group_warps=group_warps, block_n=block_n, num_warps=warps)
             k, v = read_keys_triton(*storage, *rows, args.length, **kw)
             assert torch.equal(k, base_k) and torch.equal(v, base_v), f"{kw} differs from the default launch"
             ms = time_ms(lambda: read_keys_triton(*storage, *rows, args.length, **kw), args.reps)
             results.append({"depth": depth, **kw, "us": ms * 1e3, "GB/s": moved / ms / 1e6, "x_copy": ms / copy_ms})
-            print(f"read depth {depth} groups {int(groups)}/{group_warps}w block_n {block_n:3d} warps {warps} "
-                  f"split {int(split)}: "
+            print(f"read depth {depth} groups {int(groups)}/{group_warps}w block_n {block_n:3d} warps {warps}: "
                   f"{ms * 1e3:7.1f} us {moved / ms / 1e6:6.0f} GB/s ({ms / copy_ms:.1f}x the copy)", flush=True)
     return results
 
@@ -126,7 +127,6 @@ def main() -> None:
     ap.add_argument("--group-warps", default="4,8", help="the group pass's warps")
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--split", default="0,1")
     ap.add_argument("--encode-warps", default="4,8")
     ap.add_argument("--parts", default="read,encode")
     ap.add_argument("--reps", type=int, default=50)

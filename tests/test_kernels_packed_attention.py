@@ -358,19 +358,18 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, dim):
     assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
     assert _seal_kinds(case) == {"below", "at", "above", "never"}
     splits, block_n = (2, 32) if dim == 64 else (1, 64)
-    _kernel_reads_like_reference(case, dtype, num_splits=splits, block_n=block_n, split_parts=dim in (64, 128))
+    _kernel_reads_like_reference(case, dtype, num_splits=splits, block_n=block_n)
 
 
-def _kernel_reads_like_reference(case: Case, dtype: torch.dtype, split_parts: bool = False, **kw) -> None:
+def _kernel_reads_like_reference(case: Case, dtype: torch.dtype, **kw) -> None:
     """Attention within the tolerances of the reference, and every key read bit for bit
-    (`read_keys` with K and V in one program or in programs of their own, `split_parts`;
-    its outputs start empty, so the zeros past each row's position are checked too)."""
+    (`read_keys`' outputs start empty, so the zeros past each row's position are checked too)."""
     out, lse = packed_attention_triton(*case.args(), return_lse=True, **kw)
     want, want_lse = packed_attention_reference(*case.args(), return_lse=True)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse, want_lse, atol=LSE_TOLERANCE[dtype], rtol=LSE_TOLERANCE[dtype])
-    k, v = read_keys_triton(*case.storage(), 150, split_parts=split_parts)
+    k, v = read_keys_triton(*case.storage(), 150)
     want_k, want_v = read_keys_reference(*case.storage(), 150)
     _same(k, want_k)
     _same(v, want_v)
@@ -427,37 +426,37 @@ def test_sealed_pass_reads_dense_sealed_groups(dtype, block_n, splits):
     assert not torch.equal(general, clean)
 
 
-_GROUP_PASS_CASES = [(torch.bfloat16, 96, 32, True), (torch.float32, 32, 32, False), (torch.bfloat16, 128, 64, True)]
+_GROUP_PASS_CASES = [(torch.bfloat16, 96, 32), (torch.float32, 32, 32), (torch.bfloat16, 128, 64)]
 
 
-@pytest.mark.parametrize("dtype, dim, block_n, split",
+@pytest.mark.parametrize("dtype, dim, block_n",
                          _GROUP_PASS_CASES if torch.cuda.is_available() else _GROUP_PASS_CASES[:1])
-def test_read_keys_group_pass(dtype, dim, block_n, split):
+def test_read_keys_group_pass(dtype, dim, block_n):
     """`read_keys`'s group pass (whole 64-key groups a row reads reconstructed from dense
     planes, decoded straight from their records) and its gather kernel for the rest: every
     key bit for bit as the reference reads it, as without the pass, on dense planes with
     seals below, at and above the rows and NEVER. A probe shows the pass takes the groups:
     row maps broken inside whole sealed groups (not at their last key, which it checks)
     change nothing it reads, and what the gather alone reads. (Under the interpreter, about
-    30 s a case, the first case alone: bf16 rounded by hand, a padded head dim, K and V
-    split; the GPU runs all.)"""
+    30 s a case, the first case alone: bf16 rounded by hand, a padded head dim; the GPU
+    runs all.)"""
     rows = [(0, d, pos) for d in range(PLANES) for pos in (149, 130, 70)] + [(1, 3, 99), (1, 0, 64), (2, 2, 79)]
     case = _case(5, [150, 100, 80], ["mixed", "sealed", "open"], rows, 4, 2, dim, dtype, keep=1.0, shift=False)
     assert {"exact", "reconstructed", "mixed"} <= set(_reads(case))
     want_k, want_v = read_keys_reference(*case.storage(), 150)
     for groups in (True, False):
-        k, v = read_keys_triton(*case.storage(), 150, groups=groups, block_n=block_n, split_parts=split)
+        k, v = read_keys_triton(*case.storage(), 150, groups=groups, block_n=block_n)
         _same(k, want_k)
         _same(v, want_v)
     probe = [(0, d, 149) for d in range(PLANES)]
     case = _case(5, [150, 100, 80], ["sealed", "sealed", "open"], probe, 4, 2, dim, dtype, keep=1.0, shift=False)
-    clean = read_keys_triton(*case.storage(), 150, block_n=block_n, split_parts=split)
+    clean = read_keys_triton(*case.storage(), 150, block_n=block_n)
     j = torch.arange(128, device=DEVICE)
     maps = case.packed.row_maps.clone()
     maps[0, :, j[j % 64 != 63]] = -1
     broken = dataclasses.replace(case, packed=dataclasses.replace(case.packed, row_maps=maps))
-    got = read_keys_triton(*broken.storage(), 150, block_n=block_n, split_parts=split)
-    gather = read_keys_triton(*broken.storage(), 150, groups=False, block_n=block_n, split_parts=split)
+    got = read_keys_triton(*broken.storage(), 150, block_n=block_n)
+    gather = read_keys_triton(*broken.storage(), 150, groups=False, block_n=block_n)
     for n in range(len(probe)):
         for part in (0, 1):
             _same(got[part][n, :128], clean[part][n, :128])

@@ -294,21 +294,14 @@ def _read_keys_kernel(
     k_out_ptr, v_out_ptr,
     stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len, keys,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, V_GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, SPLIT_PARTS: tl.constexpr,
-    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    """Per (row, KV head x part, block of keys): the attention kernel's gather, stored, zeros
-    past the row's position (every output element is written: the outputs start empty).
-    SPLIT_PARTS: K and V by programs of their own (the head axis counts both), each holding
-    one [BLOCK_N, BLOCK_D] tile. GROUPS: `_read_groups_kernel` wrote the blocks of the groups
-    it takes (BLOCK_N divides 64), which are skipped here."""
+    """Per (row, KV head, block of keys): the attention kernel's gather, stored, zeros past
+    the row's position (every output element is written: the outputs start empty). GROUPS:
+    `_read_groups_kernel` wrote the blocks of the groups it takes (BLOCK_N divides 64),
+    which are skipped here."""
     n = tl.program_id(0).to(tl.int64)
-    if SPLIT_PARTS:
-        kv_head = tl.program_id(1) // 2
-        part = tl.program_id(1) % 2 + 1  # PARTS: 1 K, 2 V
-    else:
-        kv_head = tl.program_id(1)
-        part = 3
+    kv_head = tl.program_id(1)
     pos = tl.load(position_ptr + n).to(tl.int32)
     cell = tl.load(cell_ptr + n).to(tl.int64)
     depth = tl.load(depth_ptr + n).to(tl.int32)
@@ -327,31 +320,14 @@ def _read_keys_kernel(
         k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         if start <= pos:  # blocks past the row's position are zeros
-            table = tl.load(table_offset_ptr + n).to(tl.int64)
-            j_ok = (j <= pos) & (j < keys)
-            if SPLIT_PARTS:
-                if part == 1:
-                    k, v = _key_block(
-                        j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
-                        k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
-                        row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
-                        PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, 1)
-                else:
-                    k, v = _key_block(
-                        j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
-                        k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
-                        row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
-                        PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND, 2)
-            else:
-                k, v = _key_block(
-                    j, j_ok, cell, depth, pos, table, kv_head, k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr,
-                    k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, seal_ptr, group_tables_ptr,
-                    row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, max_groups, max_len,
-                    PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS, BF16_BY_HAND)
-        if part % 2 == 1:
-            tl.store(k_out_ptr + at, k.to(dtype), mask=ok)
-        if part >= 2:
-            tl.store(v_out_ptr + at, v.to(dtype), mask=ok)
+            k, v = _key_block(
+                j, (j <= pos) & (j < keys), cell, depth, pos, tl.load(table_offset_ptr + n).to(tl.int64), kv_head,
+                k_tail_ptr, v_tail_ptr, tables_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
+                v_lo_ptr, seal_ptr, group_tables_ptr, row_maps_ptr, stride_ks, stride_kh, stride_vs, stride_vh,
+                num_kv_heads, max_groups, max_len, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PLANES, V_GROUPS,
+                BF16_BY_HAND)
+        tl.store(k_out_ptr + at, k.to(dtype), mask=ok)
+        tl.store(v_out_ptr + at, v.to(dtype), mask=ok)
 
 
 @triton.jit
@@ -536,13 +512,12 @@ def _storage(k_tail, v_tail, tables, packed: PackedKV) -> tuple[torch.Tensor, ..
 def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
                      packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor,
                      table_offset: torch.Tensor, keys: int, *, groups: bool = True, group_warps: int = 8,
-                     block_n: int = 32, num_warps: int | None = 4,
-                     split_parts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_n: int = 32, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention kernel's gather (`_key_block`), stored: K and V [N, keys, Hkv, D].
     `groups`: whole groups a row reads reconstructed from dense planes go to a lean pass of
     their own first (`_read_groups_kernel`); the gather kernel takes the rest, `block_n`
-    keys a program, `split_parts`: K and V by separate programs. Defaults: see
-    bench/read_keys_sweep.py."""
+    keys a program. Defaults: the best of bench/int4_prefill_sweep.py on the H200 (K and V
+    in programs of their own, half the registers each, ran slower everywhere)."""
     rows = (cell, depth, position, table_offset)
     _check(None, k_tail, v_tail, tables, packed, rows)
     assert not groups or 64 % block_n == 0, "with the group pass, block_n divides 64"
@@ -560,11 +535,11 @@ def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.T
             packed.group_tables.shape[2], packed.row_maps.shape[2], keys, HEAD_DIM=common["HEAD_DIM"],
             PLANES=common["PLANES"], V_GROUPS=common["V_GROUPS"], BLOCK_D=common["BLOCK_D"],
             BF16_BY_HAND=common["BF16_BY_HAND"], enable_fp_fusion=False, num_warps=group_warps)
-    _read_keys_kernel[(n, heads * (2 if split_parts else 1), triton.cdiv(keys, block_n))](
+    _read_keys_kernel[(n, heads, triton.cdiv(keys, block_n))](
         *_storage(k_tail, v_tail, tables, packed), *rows, k_out, v_out,
         k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1), heads,
-        packed.group_tables.shape[2], packed.row_maps.shape[2], keys, BLOCK_N=block_n, SPLIT_PARTS=split_parts,
-        GROUPS=groups, enable_fp_fusion=False, **({} if num_warps is None else {"num_warps": num_warps}), **common)
+        packed.group_tables.shape[2], packed.row_maps.shape[2], keys, BLOCK_N=block_n, GROUPS=groups,
+        enable_fp_fusion=False, num_warps=num_warps, **common)
     return k_out, v_out
 
 
