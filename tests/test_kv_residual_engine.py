@@ -268,6 +268,38 @@ def test_prompt_chunks_read_what_the_reader_reads(tiny_ckpt, device, monkeypatch
         assert with_chunks[rid][1] == pytest.approx(without[rid][1], abs=1e-4), rid
 
 
+def test_prompt_chunks_batch_their_key_reads(tiny_ckpt, monkeypatch):
+    """A pass's prompt chunks (a wavefront holds several, at different depths) have their
+    contexts read by one key-read launch: the same tokens and logprobs, bit for bit, as
+    with each chunk's read alone (`BATCH_KEYS` 1), and some batch held several chunks;
+    `chunk_batches` cuts batches at the limit, in order."""
+    import specloop.flashloop.kv_residual.chunks as chunks
+    sizes: list[int] = []
+    batches = chunks.chunk_batches
+
+    def recorded(chunk_list, reads, limit=None):
+        out = batches(chunk_list, reads, limit)
+        sizes.extend(len(b.index) for b in out)
+        return out
+
+    monkeypatch.setattr("specloop.flashloop.kv_residual.format.chunk_batches", recorded)
+    # 64 prompt positions a plan enter depth 0, the rest of the budget moves earlier chunks deeper
+    monkeypatch.setattr("specloop.scheduling.scheduler.Scheduler.prompt_ahead", lambda self, req: 64)
+    kw = {"dtype": "float32", "attention_backend": "triton", "max_num_batched_tokens": 256}
+    batched = _run(_engine(tiny_ckpt, **kw), {"a": PROMPTS[0]}, max_tokens=2)
+    assert max(sizes) > 1, sizes
+    sizes.clear()
+    monkeypatch.setattr(chunks, "BATCH_KEYS", 1)
+    alone = _run(_engine(tiny_ckpt, **kw), {"a": PROMPTS[0]}, max_tokens=2)
+    assert max(sizes) == 1, sizes
+    assert batched == alone
+    cut = [chunks.PromptChunk(0, 64, 0, d, c, 0) for d, c in enumerate((100, 300, 200, 50))]
+    one = lambda: torch.zeros(1, dtype=torch.long)  # noqa: E731
+    reads = [chunks.ChunkReads(one(), one(), one(), one(), torch.zeros(0), torch.zeros(0)) for _ in cut]
+    assert [(b.index, b.keys) for b in chunks.chunk_batches(cut, reads, limit=600)] == [([0, 1], 300),
+                                                                                        ([2, 3], 200)]
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"speculation": "block"}, "tail .5. must exceed 15 with block speculation"),
 ])

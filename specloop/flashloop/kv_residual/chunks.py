@@ -12,7 +12,9 @@ last query's position), then exact from the BF16 tail, each causally: exactly wh
 reader reads (the read rule, `PackedResiduals.seals`). Only key blocks holding such keys
 load tail slots, so the rest is one contiguous read as in a dense prefill. The seals depend
 on the pass only (the pass's seals are set before its first layer), so they are gathered
-once per pass and chunk.
+once per pass and chunk. The chunks of a pass (a wavefront has one per depth) have their
+contexts read by one `read_keys` launch (`ChunkBatch`, up to `BATCH_KEYS` rows x keys),
+since the prefill of INT4 is bound by host launches (docs/flashloop.md).
 
 Until 2026-12-06 the chunk attended in one masked scaled-dot-product attention over both
 versions of its whole context (2C keys, a [rows, 2C] additive mask built per pass).
@@ -32,6 +34,9 @@ from specloop.kernels.chunk_attention import NEVER, seal_reach, two_source_atten
 from specloop.kernels.packed_keys import read_keys
 
 CHUNK_ROWS = 64  # a group of at least this many prompt rows attends as a chunk
+# The most (chunks x longest context) one batched key read holds: at ouro-1.4b's KV shape
+# (16 heads x 128 channels, bf16) K and V of 32K keys are 2 x 128 MiB.
+BATCH_KEYS = 32768
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +84,48 @@ def chunk_reads(planes: Any, chunk: PromptChunk, positions: torch.Tensor) -> Chu
     return ChunkReads(one(chunk.cell), one(chunk.depth), last, one(chunk.table), seals, seal_reach(seals, last))
 
 
-def chunk_attention(planes: Any, layer: int, q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor,
-                    tables: torch.Tensor, page_size: int, chunk: PromptChunk, reads: ChunkReads,
-                    positions: torch.Tensor) -> torch.Tensor:
-    """The chunk's rows' attention output [rows, Hq, D] (`q`, `positions`: those rows';
-    `k_tail`, `v_tail`: this layer's BF16 pages, [S, Hkv, D])."""
-    k_read, v_read = read_keys(k_tail, v_tail, tables, page_size, planes.layer_view(layer), reads.cells,
-                               reads.depths, reads.last, reads.table_offsets, chunk.context)
-    return two_source_attention(q, k_read[0], v_read[0], k_tail, v_tail, tables, chunk.table, page_size, positions,
-                                reads.seals, reads.last, reach=reads.reach)
+@dataclasses.dataclass
+class ChunkBatch:
+    """Chunks whose contexts one `read_keys` launch reads, a row each (the `ChunkReads` of
+    chunks `index` of the pass, stacked), over the longest of their contexts."""
+
+    index: list[int]
+    cells: torch.Tensor  # [n] long
+    depths: torch.Tensor  # [n] long
+    last: torch.Tensor  # [n] long
+    table_offsets: torch.Tensor  # [n] long
+    keys: int
+
+
+def chunk_batches(chunks: list[PromptChunk], reads: list[ChunkReads], limit: int | None = None) -> list[ChunkBatch]:
+    """The pass's chunks in order, cut into batches of at most `limit` (default `BATCH_KEYS`)
+    rows x keys (a chunk longer than that alone)."""
+    limit = BATCH_KEYS if limit is None else limit
+    groups: list[list[int]] = []
+    for i, chunk in enumerate(chunks):
+        group = groups[-1] if groups else None
+        if group is None or (len(group) + 1) * max(chunk.context, *(chunks[j].context for j in group)) > limit:
+            groups.append([i])
+        else:
+            group.append(i)
+    cat = lambda field, ids: torch.cat([getattr(reads[i], field) for i in ids])  # noqa: E731
+    return [ChunkBatch(ids, cat("cells", ids), cat("depths", ids), cat("last", ids), cat("table_offsets", ids),
+                       max(chunks[i].context for i in ids)) for ids in groups]
+
+
+def attend_chunks(planes: Any, layer: int, q: torch.Tensor, out: torch.Tensor, k_tail: torch.Tensor,
+                  v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, chunks: list[PromptChunk],
+                  reads: list[ChunkReads], batches: list[ChunkBatch], positions: torch.Tensor) -> None:
+    """The chunks' rows' attention into `out` [N, Hq, D] (`q`, `positions`: the pass's rows';
+    `k_tail`, `v_tail`: this layer's BF16 pages, [S, Hkv, D]): per batch one key read, then
+    per chunk one two-source attention over its slice of it."""
+    view = planes.layer_view(layer)
+    for batch in batches:
+        k_read, v_read = read_keys(k_tail, v_tail, tables, page_size, view, batch.cells, batch.depths, batch.last,
+                                   batch.table_offsets, batch.keys)
+        for n, i in enumerate(batch.index):
+            chunk, r = chunks[i], reads[i]
+            rows = slice(chunk.first, chunk.first + chunk.rows)
+            out[rows] = two_source_attention(q[rows], k_read[n, :chunk.context], v_read[n, :chunk.context], k_tail,
+                                             v_tail, tables, chunk.table, page_size, positions[rows], r.seals,
+                                             r.last, reach=r.reach)

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from specloop.flashloop.kv_residual.batch import ResidualPass
-from specloop.flashloop.kv_residual.chunks import ChunkReads, PromptChunk, PromptChunks, chunk_attention, chunk_reads
+from specloop.flashloop.kv_residual.chunks import (
+    ChunkBatch, ChunkReads, PromptChunk, PromptChunks, attend_chunks, chunk_batches, chunk_reads,
+)
 from specloop.kernels.packed_attention import MIN_SPLIT_KEYS, packed_attention, packed_splits
 from specloop.kernels.sparse_decode_common import PackedRows
 from specloop.runtime.kv_format import KeyReader, PagedKV
@@ -30,7 +32,8 @@ class PassReads:
     plan: EncodePlan
     tables: torch.Tensor
     chunks: list[PromptChunk] = dataclasses.field(default_factory=list)  # left out of the reader's tiles
-    reads: dict[int, ChunkReads] = dataclasses.field(default_factory=dict)  # per chunk, built at its first layer
+    reads: list[ChunkReads] = dataclasses.field(default_factory=list)  # per chunk, built at the first layer
+    batches: list[ChunkBatch] = dataclasses.field(default_factory=list)  # the chunks' batched key reads
 
 
 class PackedPlanes(PagedKV):
@@ -95,15 +98,14 @@ class PackedPlanes(PagedKV):
                                     tile_rows=meta.tile_rows, out=out, return_lse=return_lse, scores=scores,
                                     score_rows=score_rows, min_split_keys=MIN_SPLIT_KEYS,
                                     exact_gap=self.planes.tail)
-        for i, chunk in enumerate(state.chunks):
-            reads = state.reads.get(i)
-            if reads is None:
-                reads = state.reads[i] = chunk_reads(self.planes, chunk, state.positions)
-            rows = slice(chunk.first, chunk.first + chunk.rows)
-            out[rows] = chunk_attention(self.planes, layer, q[rows], self.k[layer], self.v[layer], state.tables,
-                                        self.page_size, chunk, reads, state.positions[rows])
+        if state.chunks:
+            if not state.reads:  # the pass's first layer
+                state.reads = [chunk_reads(self.planes, chunk, state.positions) for chunk in state.chunks]
+                state.batches = chunk_batches(state.chunks, state.reads)
+            attend_chunks(self.planes, layer, q, out, self.k[layer], self.v[layer], state.tables, self.page_size,
+                          state.chunks, state.reads, state.batches, state.positions)
             if layer == 0:
-                self.chunk_rows += chunk.rows
+                self.chunk_rows += sum(chunk.rows for chunk in state.chunks)
         return out, lse
 
     def key_reader(self, layer: int, tables: torch.Tensor, table_offsets: torch.Tensor, every: bool,
