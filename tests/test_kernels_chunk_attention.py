@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from specloop.kernels.chunk_attention import (
-    NEVER, seal_reach, two_source_attention, two_source_attention_reference,
+    NEVER, chunk_launch, seal_reach, tile_rows_for, two_source_attention, two_source_attention_reference,
+    two_source_chunks_triton,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,3 +134,45 @@ def test_ouro_shape_bf16():
     case, _ = _case(5, 2048, 4096, 16, 16, 128, 16, torch.bfloat16)
     torch.testing.assert_close(two_source_attention(*case).float(), two_source_attention_reference(*case).float(),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_attends_several_chunks(dtype):
+    """A pass's chunks in one launch (`two_source_chunks_triton`: each tile finds its chunk's
+    rows, table offset, context, seals and read): every chunk's rows as its own reference
+    gives them, with rows between the chunks (other rows of the pass) left untouched and
+    each chunk's read padded with NaN past its context (the longest sets the read's size)."""
+    heads, kv_heads, dim, page = 4, 2, 32, 16
+    cases = [_case(11 + b, rows, context, heads, kv_heads, dim, page, dtype, trailing=b == 1)[0]
+             for b, (rows, context) in enumerate([(70, 300), (16, 120), (40, 40)])]
+    tails_k, tails_v, tables, q, positions, spans, reads_k, reads_v = [], [], [], [], [], [], [], []
+    pages = entries = row = 0
+    gap = 3  # rows of the pass between chunks that the launch must not write
+    keys = max(c[1].shape[0] for c in cases)
+    for q_b, k_read, v_read, k_tail, v_tail, table_list, table, _, pos, seals, last in cases:
+        tails_k.append(k_tail)
+        tails_v.append(v_tail)
+        tables.append(table_list + pages)
+        q.extend([q_b, torch.full((gap, heads, dim), float("nan"), dtype=dtype, device=DEVICE)])
+        positions.extend([pos, torch.zeros(gap, dtype=torch.long, device=DEVICE)])
+        spans.append((row, q_b.shape[0], entries + table, k_read.shape[0]))
+        pad = torch.full((keys - k_read.shape[0], kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+        reads_k.append(torch.cat([k_read, pad]))
+        reads_v.append(torch.cat([v_read, pad]))
+        pages += k_tail.shape[0] // page
+        entries += table_list.shape[0]
+        row += q_b.shape[0] + gap
+    q_all, pos_all = torch.cat(q), torch.cat(positions)
+    seals = torch.cat([c[9] for c in cases])
+    lasts = torch.cat([c[10] for c in cases])
+    reach = torch.cat([seal_reach(c[9], c[10]) for c in cases])
+    tile_rows = tile_rows_for(heads, kv_heads)
+    out = torch.full_like(q_all, 7.0)
+    two_source_chunks_triton(q_all, torch.stack(reads_k), torch.stack(reads_v), torch.cat(tails_k),
+                             torch.cat(tails_v), torch.cat(tables), page, pos_all, seals, lasts, reach,
+                             chunk_launch(spans, tile_rows, q_all.device), out)
+    for case, (first, rows, _, _) in zip(cases, spans):
+        want = two_source_attention_reference(*case)
+        got = out[first: first + rows]
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        assert (out[first + rows: first + rows + gap] == 7.0).all(), "a row outside the chunks was written"

@@ -35,6 +35,7 @@ before `tl.dot`), as `paged_attention` does.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -53,18 +54,32 @@ NEVER = 2**31 - 1
 LAUNCH = {"m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
-# A chunk's row count, context and table offset change with every chunk and request, and its
-# positions are a slice of the pass's: none is specialized, so a new prompt compiles no
-# variant inside a request (`bench/compile_variants.py`).
-@triton.jit(do_not_specialize=["num_rows", "num_keys", "table"], do_not_specialize_on_alignment=["positions_ptr"])
+# One launch attends several chunks (a pass's wavefront): each program reads its chunk's
+# rows, keys, table offset and key offset from `chunks_ptr` (int32 [n, 6]: first row, rows,
+# first tile, table offset, context, offset of its seals and reach), so nothing about a
+# chunk is specialized and a new prompt compiles no variant inside a request
+# (`bench/compile_variants.py`); positions are a slice of the pass's.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _two_source_kernel(
     q_ptr, kr_ptr, vr_ptr, kt_ptr, vt_ptr, tables_ptr, positions_ptr, seals_ptr, last_ptr, reach_ptr, out_ptr,
-    stride_qn, stride_qh, stride_krn, stride_krh, stride_vrn, stride_vrh, stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_on, stride_oh, num_rows, num_keys, table, scale,
+    tile_chunk_ptr, chunks_ptr,
+    stride_qn, stride_qh, stride_krb, stride_krn, stride_krh, stride_vrb, stride_vrn, stride_vrh, stride_ks,
+    stride_kh, stride_vs, stride_vh, stride_on, stride_oh, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    b = tl.load(tile_chunk_ptr + tl.program_id(0))  # the tile's chunk
+    info = chunks_ptr + b * 6
+    first = tl.load(info)
+    num_rows = tl.load(info + 1)
+    tile = tl.program_id(0) - tl.load(info + 2)
+    table = tl.load(info + 3)
+    num_keys = tl.load(info + 4)
+    key_offset = tl.load(info + 5)
+    kr_ptr += b.to(tl.int64) * stride_krb
+    vr_ptr += b.to(tl.int64) * stride_vrb
+    seals_ptr += key_offset
+    reach_ptr += key_offset
     kv_head = tl.program_id(1)
     BLOCK_M: tl.constexpr = TILE_ROWS * BLOCK_G
     i = tl.arange(0, BLOCK_M)
@@ -72,14 +87,14 @@ def _two_source_kernel(
     g = i % BLOCK_G
     r_ok = r < num_rows
     ok = r_ok & (g < GROUP)
-    row = r.to(tl.int64)
+    row = (first + r).to(tl.int64)
     head = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     pos = tl.load(positions_ptr + row, mask=r_ok, other=-1)
     context = tl.max(pos, axis=0) + 1
     lowest = tl.min(tl.where(r_ok, pos, 2147483647), axis=0)
-    last = tl.load(last_ptr)
+    last = tl.load(last_ptr + b)
     q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
@@ -182,40 +197,96 @@ def seal_reach(seals: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return inside.cummax(0).values.to(torch.int32)
 
 
+@dataclasses.dataclass
+class ChunkLaunch:
+    """What one launch over several chunks needs on the device: each tile's chunk (int32
+    [T]) and each chunk's int32 row (first row, rows, first tile, table offset, context,
+    key offset) [n, 6]; built once for a pass's chunks (`chunk_launch`), device ops only."""
+
+    tile_chunk: torch.Tensor
+    chunks: torch.Tensor
+    tiles: int
+
+
+def tile_rows_for(num_heads: int, num_kv_heads: int, tile_rows: int | None = None) -> int:
+    """Rows a tile holds: `LAUNCH`'s M over the padded GQA group, unless given."""
+    return tile_rows or max(1, LAUNCH["m"] // block_g(num_heads, num_kv_heads))
+
+
+def chunk_launch(spans: list[tuple[int, int, int, int]], tile_rows: int, device: torch.device) -> ChunkLaunch:
+    """`spans`: per chunk (first row, rows, table offset, context) in the pass; the chunks'
+    seals and reach lie end to end in that order. No host-to-device copy: every value is
+    filled on the device (a copy from pageable host memory would wait for the stream)."""
+    rows_info, tile_chunk, tiles, keys = [], [], 0, 0
+    for b, (first, rows, table, context) in enumerate(spans):
+        count = triton.cdiv(rows, tile_rows)
+        rows_info.append((first, rows, tiles, table, context, keys))
+        tile_chunk.append(torch.full((count,), b, dtype=torch.int32, device=device))
+        tiles += count
+        keys += context
+    chunks = torch.cat([torch.full((1,), v, dtype=torch.int32, device=device) for info in rows_info for v in info])
+    return ChunkLaunch(torch.cat(tile_chunk), chunks.view(-1, 6), tiles)
+
+
+def two_source_chunks_triton(q: torch.Tensor, k_read: torch.Tensor, v_read: torch.Tensor, k_tail: torch.Tensor,
+                             v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, positions: torch.Tensor,
+                             seals: torch.Tensor, last: torch.Tensor, reach: torch.Tensor, launch: ChunkLaunch,
+                             out: torch.Tensor, *, tile_rows: int | None = None, block_n: int | None = None,
+                             num_warps: int | None = None, num_stages: int | None = None) -> None:
+    """One launch of (tiles of every chunk, KV heads) programs writing the chunks' rows of
+    `out` (nothing else). q, out, positions: the pass's rows; k_read, v_read [n, K, Hkv, D]:
+    chunk b's keys read at row b (K at least its context); seals, reach: every chunk's, end
+    to end (int32); last [n]: each chunk's last query position. `launch` must come from
+    `chunk_launch` with the same tile_rows. The keys must cover every row's position:
+    nothing is read back from the device to check it."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_tail.shape[1]
+    assert k_read.dim() == 4 and k_read.shape == v_read.shape and k_read.shape[2:] == k_tail.shape[1:], \
+        "k_read, v_read: [n, K, Hkv, D] as the tail's [S, Hkv, D]"
+    assert k_tail.shape[2] == head_dim and num_heads % num_kv_heads == 0, "heads or head dim do not match"
+    assert positions.shape == (n,) and not positions.is_floating_point(), "positions: [N] ints"
+    assert seals.dtype == reach.dtype == torch.int32 and seals.shape == reach.shape, "seals, reach: int32 [sum C]"
+    assert last.shape == (k_read.shape[0],) and not last.is_floating_point(), "last: [n] ints"
+    assert out.shape == q.shape and out.dtype == q.dtype, "out: q's shape and dtype"
+    for x in (q, k_read, v_read, k_tail, v_tail, out):
+        assert x.stride(-1) == 1, "the head dim must be contiguous"
+    bg = block_g(num_heads, num_kv_heads)
+    tile_rows = tile_rows_for(num_heads, num_kv_heads, tile_rows)
+    assert tile_rows * bg >= 16, "a tile's M dimension (tile_rows x padded GQA group) must be at least 16"
+    if launch.tiles == 0:
+        return
+    _two_source_kernel[(launch.tiles, num_kv_heads)](
+        q, k_read, v_read, k_tail, v_tail, tables, positions, seals, last, reach, out, launch.tile_chunk,
+        launch.chunks, q.stride(0), q.stride(1), k_read.stride(0), k_read.stride(1), k_read.stride(2),
+        v_read.stride(0), v_read.stride(1), v_read.stride(2), k_tail.stride(0), k_tail.stride(1), v_tail.stride(0),
+        v_tail.stride(1), out.stride(0), out.stride(1), head_dim ** -0.5,
+        PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
+        BLOCK_G=bg, BLOCK_N=block_n or LAUNCH["block_n"], BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_FP32=_INTERPRET or q.dtype == torch.float32,
+        **launch_options(num_warps or LAUNCH["num_warps"], num_stages or LAUNCH["num_stages"]),
+    )
+
+
 def two_source_attention_triton(q: torch.Tensor, k_read: torch.Tensor, v_read: torch.Tensor, k_tail: torch.Tensor,
                                 v_tail: torch.Tensor, tables: torch.Tensor, table: int, page_size: int,
                                 positions: torch.Tensor, seals: torch.Tensor, last: torch.Tensor, *,
                                 reach: torch.Tensor | None = None, tile_rows: int | None = None,
                                 block_n: int | None = None, num_warps: int | None = None,
                                 num_stages: int | None = None) -> torch.Tensor:
-    """One launch of (tiles, KV heads) programs. The keys must cover every row's position
-    (C > max position): nothing is read back from the device to check it. `reach`: the
-    chunk's `seal_reach` (computed here when None). Launch options left None: `LAUNCH`."""
+    """One chunk (`two_source_chunks_triton` with n = 1). `reach`: the chunk's `seal_reach`
+    (computed here when None). Launch options left None: `LAUNCH`."""
     _check(q, k_read, v_read, k_tail, v_tail, positions, seals, last)
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k_tail.shape[1]
-    bg = block_g(num_heads, num_kv_heads)
-    launch = LAUNCH
-    tile_rows = tile_rows or max(1, launch["m"] // bg)
-    block_n = block_n or launch["block_n"]
-    num_warps = num_warps or launch["num_warps"]
-    num_stages = num_stages or launch["num_stages"]
-    assert tile_rows * bg >= 16, "a tile's M dimension (tile_rows x padded GQA group) must be at least 16"
     out = torch.empty_like(q)
-    if n == 0:
+    if q.shape[0] == 0:
         return out
     if reach is None:
         reach = seal_reach(seals, last)
     assert reach.shape == seals.shape and reach.dtype == torch.int32, "reach: int32 [C]"
-    _two_source_kernel[(triton.cdiv(n, tile_rows), num_kv_heads)](
-        q, k_read, v_read, k_tail, v_tail, tables, positions, seals, last, reach, out,
-        q.stride(0), q.stride(1), k_read.stride(0), k_read.stride(1), v_read.stride(0), v_read.stride(1),
-        k_tail.stride(0), k_tail.stride(1), v_tail.stride(0), v_tail.stride(1), out.stride(0), out.stride(1),
-        n, seals.shape[0], table, head_dim ** -0.5,
-        PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
-        BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_FP32=_INTERPRET or q.dtype == torch.float32, **launch_options(num_warps, num_stages),
-    )
+    tile_rows = tile_rows_for(q.shape[1], k_tail.shape[1], tile_rows)
+    launch = chunk_launch([(0, q.shape[0], table, seals.shape[0])], tile_rows, q.device)
+    two_source_chunks_triton(q, k_read[None], v_read[None], k_tail, v_tail, tables, page_size, positions, seals,
+                             last.reshape(1), reach, launch, out, tile_rows=tile_rows, block_n=block_n,
+                             num_warps=num_warps, num_stages=num_stages)
     return out
 
 

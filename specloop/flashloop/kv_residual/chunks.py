@@ -13,8 +13,9 @@ reader reads (the read rule, `PackedResiduals.seals`). Only key blocks holding s
 load tail slots, so the rest is one contiguous read as in a dense prefill. The seals depend
 on the pass only (the pass's seals are set before its first layer), so they are gathered
 once per pass and chunk. The chunks of a pass (a wavefront has one per depth) have their
-contexts read by one `read_keys` launch (`ChunkBatch`, up to `BATCH_KEYS` rows x keys),
-since the prefill of INT4 is bound by host launches (docs/flashloop.md).
+contexts read by one `read_keys` launch and attend in one two-source launch (`ChunkBatch`,
+up to `BATCH_KEYS` rows x keys), since the prefill of INT4 is bound by host launches
+(docs/flashloop.md).
 
 Until 2026-12-06 the chunk attended in one masked scaled-dot-product attention over both
 versions of its whole context (2C keys, a [rows, 2C] additive mask built per pass).
@@ -28,11 +29,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import os
+
 import torch
 
-from specloop.kernels.chunk_attention import NEVER, seal_reach, two_source_attention
+from specloop.kernels.chunk_attention import (
+    NEVER, ChunkLaunch, chunk_launch, seal_reach, tile_rows_for, two_source_attention, two_source_chunks_triton,
+)
 from specloop.kernels.packed_keys import read_keys
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK_ROWS = 64  # a group of at least this many prompt rows attends as a chunk
 # The most (chunks x longest context) one batched key read holds: at ouro-1.4b's KV shape
 # (16 heads x 128 channels, bf16) K and V of 32K keys are 2 x 128 MiB.
@@ -95,6 +101,9 @@ class ChunkBatch:
     last: torch.Tensor  # [n] long
     table_offsets: torch.Tensor  # [n] long
     keys: int
+    seals: torch.Tensor  # int32: the chunks' seals end to end
+    reach: torch.Tensor  # int32: their `seal_reach`, end to end
+    launch: ChunkLaunch | None = None  # the two-source launch's tiles (Triton), built at the first layer
 
 
 def chunk_batches(chunks: list[PromptChunk], reads: list[ChunkReads], limit: int | None = None) -> list[ChunkBatch]:
@@ -110,22 +119,30 @@ def chunk_batches(chunks: list[PromptChunk], reads: list[ChunkReads], limit: int
             group.append(i)
     cat = lambda field, ids: torch.cat([getattr(reads[i], field) for i in ids])  # noqa: E731
     return [ChunkBatch(ids, cat("cells", ids), cat("depths", ids), cat("last", ids), cat("table_offsets", ids),
-                       max(chunks[i].context for i in ids)) for ids in groups]
+                       max(chunks[i].context for i in ids), cat("seals", ids), cat("reach", ids)) for ids in groups]
 
 
 def attend_chunks(planes: Any, layer: int, q: torch.Tensor, out: torch.Tensor, k_tail: torch.Tensor,
                   v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, chunks: list[PromptChunk],
                   reads: list[ChunkReads], batches: list[ChunkBatch], positions: torch.Tensor) -> None:
     """The chunks' rows' attention into `out` [N, Hq, D] (`q`, `positions`: the pass's rows';
-    `k_tail`, `v_tail`: this layer's BF16 pages, [S, Hkv, D]): per batch one key read, then
-    per chunk one two-source attention over its slice of it."""
+    `k_tail`, `v_tail`: this layer's BF16 pages, [S, Hkv, D]): per batch one key read and
+    one two-source attention over every chunk of it (Triton; the reference chunk by chunk)."""
     view = planes.layer_view(layer)
     for batch in batches:
         k_read, v_read = read_keys(k_tail, v_tail, tables, page_size, view, batch.cells, batch.depths, batch.last,
                                    batch.table_offsets, batch.keys)
+        if q.is_cuda or _INTERPRET:
+            if batch.launch is None:
+                tile_rows = tile_rows_for(q.shape[1], k_tail.shape[1])
+                spans = [(chunks[i].first, chunks[i].rows, chunks[i].table, chunks[i].context) for i in batch.index]
+                batch.launch = chunk_launch(spans, tile_rows, q.device)
+            two_source_chunks_triton(q, k_read, v_read, k_tail, v_tail, tables, page_size, positions, batch.seals,
+                                     batch.last, batch.reach, batch.launch, out)
+            continue
         for n, i in enumerate(batch.index):
             chunk, r = chunks[i], reads[i]
             rows = slice(chunk.first, chunk.first + chunk.rows)
             out[rows] = two_source_attention(q[rows], k_read[n, :chunk.context], v_read[n, :chunk.context], k_tail,
                                              v_tail, tables, chunk.table, page_size, positions[rows], r.seals,
-                                             r.last, reach=r.reach)
+                                             r.last, use_triton=False)
