@@ -1,0 +1,93 @@
+"""Host time and Triton launches of one prompt's prefill, on the CPU, without a GPU.
+
+Every Triton launch is compiled for sm_90 and not run (`tests/compile_only.py`, Triton 3.6
+on the path: setup in its docstring), the torch ops run on the CPU, and the INT4 encoder
+takes its Triton path as on CUDA. What it shows is the host side of a GPU prefill: Python,
+launch binding and the small torch ops a pass makes. On the H200 an INT4 8K prefill idled
+the GPU 73% (docs/flashloop.md), so its launches bound it. Use a checkpoint with the real
+layer count and small matrices, so the CPU's matmuls stay small:
+
+    python -m specloop.cli random-checkpoint /tmp/tiny24 --preset tiny --num-hidden-layers 24 \\
+        --num-key-value-heads 4 --max-position-embeddings 9000
+    PYTHONPATH=/tmp/triton36/site python bench/prefill_host_cost.py --model /tmp/tiny24 --variant int4
+
+It serves a warm-up prompt (compiles), then the timed one of the same length, and prints
+the seconds, the forward calls and the launches per kernel (`--profile`: cProfile's top
+functions by own time too). Times are this CPU's, not a GPU host's; compare variants in
+one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import compile_only  # noqa: E402,F401  -- patches Triton before the kernels are imported
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from specloop.engine.config import EngineConfig  # noqa: E402
+from specloop.engine.core import EngineCore  # noqa: E402
+from specloop.flashloop.kv_residual import planes  # noqa: E402
+from specloop.kernels import residual_encode  # noqa: E402
+from specloop.sampling_params import SamplingParams  # noqa: E402
+
+VARIANTS = {"dense": {}, "int4": {"kv_residual_quantization": {}}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--variant", default="int4", choices=list(VARIANTS))
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--rows", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    # the encoder's Triton path, as on CUDA (fp32 here: nothing is rounded by hand)
+    residual_encode._INTERPRET = True
+    encode = residual_encode.encode_groups
+    planes.encode_groups = lambda *a, **k: encode(*a, use_triton=True, **k)
+    engine = EngineCore(EngineConfig.from_kwargs(
+        args.model, device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=8,
+        kv_cache_bytes=512 << 20, max_num_batched_tokens=args.rows, max_model_len=args.prompt + 8,
+        **VARIANTS[args.variant]))
+    vocab = engine.model.config.vocab_size
+
+    def serve(rid: str) -> tuple[float, int]:
+        prompt = [3 + (i * 7) % (vocab - 3) for i in range(args.prompt)]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        calls = engine.executor.num_submitted
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - start, engine.executor.num_submitted - calls
+
+    serve("warm-up")
+    launches: collections.Counter = collections.Counter()
+    run = JITFunction.run
+
+    def counted(self, *a, **k):
+        launches[self.fn.__name__] += 1
+        return run(self, *a, **k)
+
+    JITFunction.run = counted
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    seconds, calls = serve("timed")
+    if profiler:
+        profiler.disable()
+    JITFunction.run = run
+    print(f"{args.variant}: {seconds:.3f} s host, {calls} forward calls, {sum(launches.values())} Triton launches "
+          f"{dict(launches)}")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
