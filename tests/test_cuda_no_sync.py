@@ -41,3 +41,17 @@ def test_submit_does_not_synchronise(tiny_ckpt, spec):
         engine.add_request(f"r{i}", list(range(5, 5 + 40 * (i + 1))), params)  # r1 fills a group
     outputs = engine.drain()  # warm-up happens inside: the first calls are checked too
     assert sum(len(o.token_ids) for o in outputs) == 24
+
+
+def test_int4_prompt_chunks_do_not_synchronise(tiny_ckpt):
+    """INT4 prompt chunks (groups of 64 rows or more: batched key reads, one two-source launch
+    a pass) make no synchronising call either; the cases above never form one."""
+    engine = EngineCore(EngineConfig.from_kwargs(str(tiny_ckpt), device="cuda", dtype="float32",
+                                                 kv_cache_bytes=64 << 20, max_num_batched_tokens=256,
+                                                 kv_residual_quantization={"tail": 16}))
+    forbid_syncs(engine)
+    engine.add_request("r", [3 + i % 290 for i in range(600)],
+                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    outputs = engine.drain()
+    assert sum(len(o.token_ids) for o in outputs) == 4
+    assert engine.backend.kv.chunk_rows > 0, "no prompt chunk formed"
