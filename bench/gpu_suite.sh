@@ -23,8 +23,9 @@
 # VARIANTS, CASES, WARMUP: warm-up prompt tokens, e.g. the case length to keep compilation out of the TTFT;
 # DECODE: tokens each request decodes; CUT: seconds after which a case is aborted and reported as cut;
 # TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention (PROFILE:
-# the variants, e.g. "dense sparse int4 all"; BATCHES, e.g. 1,16). Unset: tests,
-# preempt, bench and serve, one after the other.
+# the variants, e.g. "dense sparse int4 all"; BATCHES, e.g. 1,16); PART=int4-prefill the INT4
+# prompt chunks' kernel, engine and no-sync tests and bench/profile_prefill.py at 8K (dense,
+# int4). Unset: tests, preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -152,6 +153,18 @@ if [ "$PART" = quality ]; then
   TAIL=6 step 200 python bench/acceptance.py --device cuda --dtype float32 --prompts 4 --prompt-len 64 --max-tokens 48 \
     --ks 1,2,4,8 --ds 1,2,3 --temperatures 0,0.8 --out "$OUT/acceptance_default_cuda.json" \
     --trace-out "$OUT/acceptance_traces.json"
+  exit 0
+fi
+if [ "$PART" = int4-prefill ]; then
+  # INT4 prompt chunks: their kernel and engine tests (no -n: one GPU), the no-sync case, then an
+  # 8K prompt's first token and kernels, INT4 against dense in one engine process each
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 &
+  TAIL=6 step 150 python -m pytest -q -rf --tb=line tests/test_kernels_chunk_attention.py \
+    tests/test_kernels_residual_encode.py tests/test_cuda_no_sync.py
+  TAIL=6 step 200 python -m pytest -q -rf --tb=line tests/test_kv_residual_engine.py -k "chunk or cuda or triton"
+  wait
+  TAIL=40 step 240 python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 --reps 2 \
+    --out "$OUT/profile_prefill_8k_h200.json"
   exit 0
 fi
 [ "$PART" = preempt ] && python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 \
