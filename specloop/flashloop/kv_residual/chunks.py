@@ -27,9 +27,8 @@ passes run eager (variable shapes): prefill passes do anyway.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import os
+from typing import Any
 
 import torch
 
