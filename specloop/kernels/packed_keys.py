@@ -377,6 +377,18 @@ def _plane_record(r0, r1, r2, r3, p: tl.constexpr):
 
 
 @triton.jit
+def _add_nibbles(even, odd, byte, scale, lo, p: tl.constexpr, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """Plane p's decode of the low (even) and high (odd) nibbles of `byte`, DTYPE(lo + scale
+    * code) in fp32 (a product and an add, never fused), taken as plane 0's values or added
+    and rounded to the planes before: `_plane_decode`'s arithmetic, so the same bits."""
+    de = round_to(lo + scale * (byte & 0xF).to(tl.float32), DTYPE, BF16_BY_HAND)
+    do = round_to(lo + scale * (byte >> 4).to(tl.float32), DTYPE, BF16_BY_HAND)
+    if p == 0:
+        return de, do
+    return round_to(even + de, DTYPE, BF16_BY_HAND), round_to(odd + do, DTYPE, BF16_BY_HAND)
+
+
+@triton.jit
 def _group_k(n, g, kv_head, depth, r0, r1, r2, r3, k_codes_ptr, k_scale_ptr, k_lo_ptr, k_out_ptr, num_kv_heads, keys,
              HEAD_DIM: tl.constexpr, PLANES: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """K of a group: even and odd rows [32, BLOCK_D] (a code byte's two nibbles), one [D]
@@ -395,14 +407,7 @@ def _group_k(n, g, kv_head, depth, r0, r1, r2, r3, k_codes_ptr, k_scale_ptr, k_l
             each = (rec * num_kv_heads + kv_head) * HEAD_DIM + d
             scale = tl.load(k_scale_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
             lo = tl.load(k_lo_ptr + each, mask=d_ok, other=0.0).to(tl.float32)
-            de = round_to(lo + scale * (byte & 0xF).to(tl.float32), dtype, BF16_BY_HAND)
-            do = round_to(lo + scale * (byte >> 4).to(tl.float32), dtype, BF16_BY_HAND)
-            if p == 0:
-                even = de
-                odd = do
-            else:
-                even = round_to(even + de, dtype, BF16_BY_HAND)
-                odd = round_to(odd + do, dtype, BF16_BY_HAND)
+            even, odd = _add_nibbles(even, odd, byte, scale, lo, p, dtype, BF16_BY_HAND)
     at = ((n * keys + g * 64 + 2 * i) * num_kv_heads + kv_head) * HEAD_DIM + d
     tl.store(k_out_ptr + at, even.to(dtype), mask=d_ok)
     tl.store(k_out_ptr + at + num_kv_heads * HEAD_DIM, odd.to(dtype), mask=d_ok)
@@ -427,14 +432,7 @@ def _group_v(n, g, kv_head, depth, r0, r1, r2, r3, v_codes_ptr, v_scale_ptr, v_l
             meta = vrow * V_GROUPS + (2 * c) // 64
             scale = tl.load(v_scale_ptr + meta, mask=c_ok, other=0.0).to(tl.float32)
             lo = tl.load(v_lo_ptr + meta, mask=c_ok, other=0.0).to(tl.float32)
-            de = round_to(lo + scale * (byte & 0xF).to(tl.float32), dtype, BF16_BY_HAND)
-            do = round_to(lo + scale * (byte >> 4).to(tl.float32), dtype, BF16_BY_HAND)
-            if p == 0:
-                even = de
-                odd = do
-            else:
-                even = round_to(even + de, dtype, BF16_BY_HAND)
-                odd = round_to(odd + do, dtype, BF16_BY_HAND)
+            even, odd = _add_nibbles(even, odd, byte, scale, lo, p, dtype, BF16_BY_HAND)
     d = tl.arange(0, BLOCK_D)[None, :]
     at = ((n * keys + g * 64 + i) * num_kv_heads + kv_head) * HEAD_DIM + d
     tl.store(v_out_ptr + at, tl.interleave(even, odd).to(dtype), mask=d < HEAD_DIM)
