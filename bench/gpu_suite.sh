@@ -163,8 +163,8 @@ if [ "$PART" = int4-prefill ]; then
     tests/test_kernels_residual_encode.py tests/test_cuda_no_sync.py
   TAIL=6 step 200 python -m pytest -q -rf --tb=line tests/test_kv_residual_engine.py -k "chunk or cuda or triton"
   wait
-  TAIL=40 step 240 python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 --reps 2 \
-    --out "$OUT/profile_prefill_8k_h200.json"
+  TAIL=80 step 240 python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 --reps 2 \
+    --out "$OUT/profile_prefill_8k_h200.json" --trace "$OUT"
   exit 0
 fi
 [ "$PART" = preempt ] && python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 \
