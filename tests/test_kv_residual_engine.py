@@ -285,7 +285,9 @@ def test_prompt_chunks_batch_their_key_reads(tiny_ckpt, monkeypatch):
     monkeypatch.setattr("specloop.flashloop.kv_residual.format.chunk_batches", recorded)
     # 64 prompt positions a plan enter depth 0, the rest of the budget moves earlier chunks deeper
     monkeypatch.setattr("specloop.scheduling.scheduler.Scheduler.prompt_ahead", lambda self, req: 64)
-    kw = {"dtype": "float32", "attention_backend": "triton", "max_num_batched_tokens": 256}
+    # the interpreter on CPU; on a CUDA machine the interpreter is off (tests/conftest.py)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = {"dtype": "float32", "device": device, "attention_backend": "triton", "max_num_batched_tokens": 256}
     batched = _run(_engine(tiny_ckpt, **kw), {"a": PROMPTS[0]}, max_tokens=2)
     assert max(sizes) > 1, sizes
     sizes.clear()
