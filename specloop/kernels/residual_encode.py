@@ -260,12 +260,15 @@ def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
                          ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
                          k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                          v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, *,
-                         sink: int | None = None, num_warps: int | None = None) -> None:
+                         sink: int | None = None, num_warps: int | None = None, check: bool = True) -> None:
     """One launch of (candidates, KV heads, K | V) programs; no host sync. `num_warps`:
-    Triton's default when None (bench/int4_prefill_sweep.py times others)."""
+    Triton's default when None (bench/int4_prefill_sweep.py times others). `check` False
+    skips the argument checks (`PackedResiduals.encode` runs them once per pass, not at
+    every layer and plane: they cost a prefill layer call about as much as the launch)."""
     args = (k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
             v_codes, v_scale, v_lo, group_tables, row_maps)
-    _check(*args)
+    if check:
+        _check(*args)
     m = cells.shape[0]
     if m == 0:
         return
@@ -333,13 +336,29 @@ def encode_groups(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tens
                   cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor, ready: torch.Tensor,
                   table_offsets: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_lo: torch.Tensor,
                   v_codes: torch.Tensor, v_scale: torch.Tensor, v_lo: torch.Tensor, group_tables: torch.Tensor,
-                  row_maps: torch.Tensor, *, sink: int | None = None, use_triton: bool | None = None) -> None:
+                  row_maps: torch.Tensor, *, sink: int | None = None, use_triton: bool | None = None,
+                  check: bool = True) -> None:
     """Encode plane `plane`'s ready candidates of one layer into their records, in place
     (module docstring); `sink` defaults to the last record. Triton on CUDA by default;
-    use_triton=True also runs it on CPU under TRITON_INTERPRET=1."""
+    use_triton=True also runs it on CPU under TRITON_INTERPRET=1. `check` False: the
+    Triton launch skips its argument checks (the caller ran `check_encode` on the same
+    shapes); the reference always checks."""
     if use_triton is None:
         use_triton = k_tail.is_cuda
     assert not use_triton or k_tail.is_cuda or _INTERPRET, "Triton runs on CUDA tensors or under TRITON_INTERPRET=1"
-    fn = encode_groups_triton if use_triton else encode_groups_reference
-    fn(k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale,
-       k_lo, v_codes, v_scale, v_lo, group_tables, row_maps, sink=sink)
+    args = (k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready, table_offsets, k_codes,
+            k_scale, k_lo, v_codes, v_scale, v_lo, group_tables, row_maps)
+    if use_triton:
+        encode_groups_triton(*args, sink=sink, check=check)
+    else:
+        encode_groups_reference(*args, sink=sink)
+
+
+def check_encode(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, plane: int, cells: torch.Tensor,
+                 positions: torch.Tensor, records: torch.Tensor, ready: torch.Tensor, table_offsets: torch.Tensor,
+                 k_codes: torch.Tensor, k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor,
+                 v_scale: torch.Tensor, v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor
+                 ) -> None:
+    """The checks `encode_groups` runs, for a caller that then launches with check=False."""
+    _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
+           v_codes, v_scale, v_lo, group_tables, row_maps, REFERENCE_DTYPES)

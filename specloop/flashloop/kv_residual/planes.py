@@ -61,7 +61,7 @@ from specloop.kernels import packed_rows
 from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_keys import PackedKV
 from specloop.kernels.packed_rows import NEVER  # seal of a group no query reads reconstructed (not encoded yet)
-from specloop.kernels.residual_encode import encode_groups
+from specloop.kernels.residual_encode import check_encode, encode_groups
 from specloop.flashloop.kv_residual.batch import ResidualUpdate
 
 
@@ -79,6 +79,8 @@ class EncodePlan:
     ready: list[torch.Tensor] = dataclasses.field(default_factory=list)
     records: list[torch.Tensor] = dataclasses.field(default_factory=list)
     positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # per plane with candidates: (plane, its candidate vectors made contiguous), at the first encode
+    launches: list[tuple[int, tuple[torch.Tensor, ...]]] | None = None
 
 
 class PackedResiduals:
@@ -110,12 +112,15 @@ class PackedResiduals:
         self.sink = num_records
         self.pad_cell = num_cells  # holds no rows and no records: its candidates are never ready
         self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
+        # every layer's view, made once: a prefill layer call asks for it several times, and
+        # its six slices cost host time at each (the tensors are never reassigned)
+        self._views = [PackedKV(KGroups(self.k_codes[i], self.k_scale[i], self.k_lo[i]),
+                                VGroups(self.v_codes[i], self.v_scale[i], self.v_lo[i]),
+                                self.seal, self.group_tables, self.row_maps) for i in range(num_layers)]
 
     def layer_view(self, layer: int) -> PackedKV:
         """One layer's records, seals and tables, as the packed attention kernel reads them."""
-        return PackedKV(KGroups(self.k_codes[layer], self.k_scale[layer], self.k_lo[layer]),
-                        VGroups(self.v_codes[layer], self.v_scale[layer], self.v_lo[layer]),
-                        self.seal, self.group_tables, self.row_maps)
+        return self._views[layer]
 
     # --- cost ---------------------------------------------------------------------------
 
@@ -224,7 +229,7 @@ class PackedResiduals:
         `committed` [cells] long: each cell's committed length (rows at positions >= it are
         candidates that may still be rejected). `first` [cells, P] long (execution policy):
         the pass's first query position per (cell, plane), NEVER where it has none."""
-        plan.ready, plan.records, plan.positions = [], [], []
+        plan.ready, plan.records, plan.positions, plan.launches = [], [], [], None
         for p, (cells, groups) in enumerate(zip(plan.cells, plan.groups)):
             if cells.numel() == 0:  # a plane without candidates (a host-known size: no sync)
                 plan.ready.append(cells.bool())
@@ -266,15 +271,26 @@ class PackedResiduals:
         tail (k_tail, v_tail [S, Hkv, D]: this layer of the pool; each candidate's rows at
         their plane's page table): one launch per plane (`residual_encode.encode_groups`:
         Triton on CUDA, its torch reference elsewhere), in plane order, since a residual
-        reads the reconstruction of the plane before."""
-        for p in range(len(plan.cells)):
-            if plan.cells[p].numel():
-                encode_groups(k_tail, v_tail, tables, page_size, p, plan.cells[p].contiguous(),
-                              plan.positions[p].contiguous(), plan.records[p].contiguous(),
-                              plan.ready[p].contiguous(), plan.table_offsets[p].contiguous(),
-                              self.k_codes[layer], self.k_scale[layer], self.k_lo[layer], self.v_codes[layer],
-                              self.v_scale[layer], self.v_lo[layer], self.group_tables, self.row_maps,
-                              sink=self.sink)
+        reads the reconstruction of the plane before. The arguments are checked at the plan's
+        first encode only: the other layers' are the same shapes."""
+        if plan.launches is None:  # the pass's first layer: its planes' arguments, contiguous, checked once
+            plan.launches = []
+            for p in range(len(plan.cells)):
+                if plan.cells[p].numel():
+                    cand = (plan.cells[p].contiguous(), plan.positions[p].contiguous(), plan.records[p].contiguous(),
+                            plan.ready[p].contiguous(), plan.table_offsets[p].contiguous())
+                    check_encode(k_tail, v_tail, tables, p, *cand, *self._record_args(layer), self.group_tables,
+                                 self.row_maps)
+                    plan.launches.append((p, cand))
+        records = self._record_args(layer)
+        for p, cand in plan.launches:
+            encode_groups(k_tail, v_tail, tables, page_size, p, *cand, *records, self.group_tables, self.row_maps,
+                          sink=self.sink, check=False)
+
+    def _record_args(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer `layer`'s K codes, scale and lo, then V's (views made once)."""
+        view = self._views[layer]
+        return (view.k.codes, view.k.scale, view.k.lo, view.v.codes, view.v.scale, view.v.lo)
 
     # --- reads --------------------------------------------------------------------------
 
