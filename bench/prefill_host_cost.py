@@ -33,7 +33,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from specloop.engine.config import EngineConfig  # noqa: E402
 from specloop.engine.core import EngineCore  # noqa: E402
-from specloop.flashloop.kv_residual import planes  # noqa: E402
 from specloop.kernels import residual_encode  # noqa: E402
 from specloop.sampling_params import SamplingParams  # noqa: E402
 
@@ -48,15 +47,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    # the encoder's Triton path, as on CUDA (fp32 here: nothing is rounded by hand)
-    residual_encode._INTERPRET = True
-    encode = residual_encode.encode_groups
-    planes.encode_groups = lambda *a, **k: encode(*a, use_triton=True, **k)
+    residual_encode._INTERPRET = True  # fp32 here: nothing is rounded by hand
     engine = EngineCore(EngineConfig.from_kwargs(
         args.model, device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=8,
         kv_cache_bytes=512 << 20, max_num_batched_tokens=args.rows, max_model_len=args.prompt + 8,
         **VARIANTS[args.variant]))
     vocab = engine.model.config.vocab_size
+    store = getattr(engine.backend.kv, "planes", None)
+    if store is not None:  # the INT4 encoder's Triton launch, as on CUDA
+        store.encode_triton = True
 
     def serve(rid: str) -> tuple[float, int]:
         prompt = [3 + (i * 7) % (vocab - 3) for i in range(args.prompt)]

@@ -4,7 +4,8 @@ it replaces (`PackedResiduals.encode`), byte for byte.
 Three `PackedResiduals` run the same passes in lockstep (random nested rows over 4 planes
 and two cells, a wavefront of chunks, every group of every plane a candidate in every pass,
 some held back by `valid` or by the committed length): one encodes with the torch path, one
-with the kernel, plane by plane, and one with the module's torch reference. Every record
+with the kernel (`PackedResiduals.encode`'s launch of every plane at once, or a launch per
+plane), and one with the module's torch reference, plane by plane. Every record
 starts as random bytes (NaN and inf scales included). After each pass: every byte of every
 pool but the sink equals the torch path's (which sends its not-ready candidates to the
 sink); the kernel's pools equal the reference's everywhere, sink included, and the sink
@@ -77,7 +78,7 @@ def _exact(t: int, heads: int, dim: int, dtype: torch.dtype, has: torch.Tensor, 
 
 def _kernel_encode(store: PackedResiduals, layer: int, plan: EncodePlan, k_tail: torch.Tensor, v_tail: torch.Tensor,
                    tables: torch.Tensor, use_triton: bool) -> None:
-    """`PackedResiduals.encode` as the kernel does it: a launch per plane, in plane order."""
+    """A launch per plane, in plane order (`encode_groups`: Triton, or the torch reference)."""
     for p in range(len(plan.cells)):
         if plan.cells[p].numel():
             encode_groups(k_tail, v_tail, tables, PAGE, p, plan.cells[p], plan.positions[p], plan.records[p],
@@ -85,7 +86,8 @@ def _kernel_encode(store: PackedResiduals, layer: int, plan: EncodePlan, k_tail:
                           store.group_tables, store.row_maps, use_triton=use_triton)
 
 
-def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]], t: int, seed: int) -> None:
+def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]], t: int, seed: int,
+         one_launch: bool = True) -> None:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     cells = len(keeps)
     has = [_rows(t, keep, gen) for keep in keeps]
@@ -94,6 +96,7 @@ def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]
     stores = [PackedResiduals(LAYERS, cells * PLANES * groups + 2, cells + 1, PLANES, t, heads, dim, 64, dtype,
                               torch.device(DEVICE)) for _ in range(3)]
     torch_path, kernel, reference = stores
+    kernel.encode_triton = True  # `PackedResiduals.encode`'s launch on CPU too (the interpreter)
     cell_ids = [c + 1 for c in range(cells)]  # cell 0 stays unused
     records = list(range(torch_path.sink))
     rng.shuffle(records)
@@ -153,7 +156,10 @@ def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]
         before = [getattr(kernel, name).clone() for name in POOLS]
         for layer in range(LAYERS):
             torch_path.encode(layer, plans[0], tail[layer, 0], tail[layer, 1], tables, PAGE)
-            _kernel_encode(kernel, layer, plans[1], tail[layer, 0], tail[layer, 1], tables, use_triton=True)
+            if one_launch:  # the engine's path: every plane in one launch, plane p's programs waiting for p - 1's
+                kernel.encode(layer, plans[1], tail[layer, 0], tail[layer, 1], tables, PAGE)
+            else:
+                _kernel_encode(kernel, layer, plans[1], tail[layer, 0], tail[layer, 1], tables, use_triton=True)
             _kernel_encode(reference, layer, plans[2], tail[layer, 0], tail[layer, 1], tables, use_triton=False)
         plan = plans[1]
         for name in POOLS:
@@ -208,3 +214,9 @@ def test_kernel_encodes_what_the_torch_path_encodes(dim, heads, dtype):
 def test_fp16_and_rows_that_skip_planes():
     """fp16; a cell whose rows are not nested (a row at plane p without one at p - 1)."""
     _run(16, 2, torch.float16, [(1, 0.5, 0.5, 0.5), (-1, 0.8, 0.7, 0.9)], t=256, seed=7)
+
+
+def test_a_launch_per_plane():
+    """The one-plane launch (`encode_groups_triton`: every candidate at one plane, nothing
+    to wait for), plane by plane, encodes the same bytes."""
+    _run(16, 2, torch.bfloat16, [(1, 1, 1, 1), (1, 0.8, 0.6, 0.5)], t=256, seed=18, one_launch=False)

@@ -1,5 +1,5 @@
-"""Encoding one plane's ready groups of INT4 cross-loop KV residuals into their records,
-in Triton (one launch), with its torch reference.
+"""Encoding the ready groups of INT4 cross-loop KV residuals into their records, in Triton
+(one launch for every plane of a layer, or one for one plane), with its torch reference.
 
     encode_groups(k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready,
                   table_offsets, k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, group_tables, row_maps)
@@ -34,23 +34,27 @@ For each READY candidate m (the others write nothing, not even the sink):
 its not-ready candidates there); the tests compare every byte of the pools.
 
 Planes. Plane p's residuals read the reconstruction of planes < p, which may include
-groups encoded for plane p - 1 in the same forward call, so plane p - 1's launch must
-finish before plane p's: one launch per plane, at most P (4) a layer in place of ~300
-torch ops, in plane order on one stream (a plane without candidates: none). (One launch for every plane would need programs of plane p to wait for those
-of plane p - 1 of the same cell: not done.) A layer's encode, as the runtime would call it:
+groups encoded for plane p - 1 in the same forward call. `encode_planes_triton` (what
+`PackedResiduals.encode` runs on CUDA) puts every plane's candidates in one launch, in
+plane order: a ready program of plane p > 0 spins on a count (`sync`, int32 in device
+memory) until every program of plane p - 1 has counted itself done, after a barrier that
+orders its warps' stores (release; the wait's load is acquire, both by one thread). Program
+ids grow with the plane and a program waits only on lower ids, which the GPU has started
+before it, so the wait cannot deadlock; the launch's last program sets the counts back to
+zero, so a CUDA graph replays it. Until 2026-12-07 it was one launch per plane, up to 4 a
+layer, each with its Python checks: the INT4 prefill was bound by host launches
+(docs/flashloop.md). `encode_groups` (tests, benches) is the one-plane launch:
 
-    for p in range(len(plan.cells)):
-        if plan.cells[p].numel():
-            encode_groups(k_tail, v_tail, tables, page_size, p, plan.cells[p], plan.positions[p],
-                          plan.records[p], plan.ready[p], plan.table_offsets[p], store.k_codes[layer],
-                          store.k_scale[layer], store.k_lo[layer], store.v_codes[layer],
-                          store.v_scale[layer], store.v_lo[layer], store.group_tables, store.row_maps)
+    encode_groups(k_tail, v_tail, tables, page_size, p, plan.cells[p], plan.positions[p],
+                  plan.records[p], plan.ready[p], plan.table_offsets[p], store.k_codes[layer],
+                  store.k_scale[layer], store.k_lo[layer], store.v_codes[layer],
+                  store.v_scale[layer], store.v_lo[layer], store.group_tables, store.row_maps)
 
-Kernel: a program per (candidate, KV head, K or V); a not-ready candidate's programs
-return at once. K: the 64 rows as even and odd rows ([32, D] each: the two nibbles of a
-code byte), statistics per channel over both; V: [64 rows, groups, 32] tiles of even and
+Kernel: a program per (candidate, KV head, K or V), one grid axis; a not-ready
+candidate's programs only count themselves done. K: the 64 rows as even and odd rows
+([32, D] each: the two nibbles of a code byte), statistics per channel over both; V: [64 rows, groups, 32] tiles of even and
 odd channels, statistics per (row, group). Reconstruction walks planes 0..plane - 1 as a
-static loop (plane is a constexpr: a compiled variant per plane), each element's code,
+static loop (a branch per plane, each with its plane a constexpr), each element's code,
 scale and lo gathered from its row's record, as `packed_attention` reads keys. The codec's
 `_stats` and `_code` are shared with `int4_groups`. No host sync in `encode_groups_triton`.
 
@@ -87,6 +91,7 @@ from specloop.kernels.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_PLANES = 4
+MAX_PLANES_C = tl.constexpr(MAX_PLANES)  # the kernel's count slot: sync[MAX_PLANES]
 REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch reference also takes fp64
 
 
@@ -201,31 +206,79 @@ def _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_
 
 
 @triton.jit
+def _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh, stride_vs,
+                stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
+                v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, PLANE: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    # K and V bodies live in their own functions: a compiled if/else must give the names
+    # both branches assign one type, and K's tiles are 2-D where V's are 3-D.
+    if is_v == 0:
+        _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
+                  positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr,
+                  num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BF16_BY_HAND)
+    else:
+        _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
+                  positions_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
+                  num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G, BF16_BY_HAND)
+
+
+@triton.jit
 def _encode_kernel(
     k_tail_ptr, v_tail_ptr, tables_ptr, cells_ptr, positions_ptr, records_ptr, ready_ptr, table_offsets_ptr,
     k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
-    stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, num_planes, max_groups, max_len, sink,
-    PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+    sync_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, num_planes, max_groups, max_len, sink,
+    start1, start2, start3, total,
+    PLANES: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
-    # K and V bodies live in their own functions: a compiled if/else must give the names
-    # both branches assign one type, and K's tiles are 2-D where V's are 3-D.
-    m = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    # program (m * Hkv + head) * 2 + (K: 0, V: 1); candidates [start_p, start_(p+1)) are plane p's
+    pid = tl.program_id(0)
+    is_v = pid % 2
+    head = (pid // 2) % num_kv_heads
+    m = (pid // 2 // num_kv_heads).to(tl.int64)
+    plane = (m >= start1).to(tl.int32) + (m >= start2).to(tl.int32) + (m >= start3).to(tl.int32)
     if tl.load(ready_ptr + m) != 0:  # a candidate that is not ready writes nothing
+        if plane > 0:  # wait for every program of plane - 1: its groups may be what this residual reads
+            first = tl.where(plane == 1, 0, tl.where(plane == 2, start1, start2))
+            last = tl.where(plane == 1, start1, tl.where(plane == 2, start2, start3))
+            need = ((last - first) * num_kv_heads * 2).to(tl.int32)
+            seen = tl.atomic_add(sync_ptr + plane - 1, 0, sem="acquire")
+            while seen < need:
+                seen = tl.atomic_add(sync_ptr + plane - 1, 0, sem="acquire")
         base = tl.load(cells_ptr + m).to(tl.int64) * num_planes  # (cell, plane 0) of the tables
         record = tl.load(records_ptr + m).to(tl.int64)
         table = tl.maximum(tl.load(table_offsets_ptr + m).to(tl.int64), 0)
-        if tl.program_id(2) == 0:
-            _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
-                      positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr,
-                      num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D,
-                      BF16_BY_HAND)
-        else:
-            _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
-                      positions_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
-                      num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G,
-                      BF16_BY_HAND)
+        if plane == 0:
+            _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
+                        stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                        max_groups, max_len, 0, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
+        if PLANES > 1:
+            if plane == 1:
+                _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
+                            stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+                            v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                            max_groups, max_len, 1, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
+        if PLANES > 2:
+            if plane == 2:
+                _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
+                            stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+                            v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                            max_groups, max_len, 2, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
+        if PLANES > 3:
+            if plane == 3:
+                _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
+                            stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+                            v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
+                            max_groups, max_len, 3, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
+    # every warp's stores before the count that releases the next plane; the last program
+    # of the launch puts the counts back to zero for the next launch (CUDA graphs replay it)
+    tl.debug_barrier()
+    tl.atomic_add(sync_ptr + plane, 1, sem="release")
+    if tl.atomic_add(sync_ptr + MAX_PLANES_C, 1, sem="acq_rel") == total - 1:
+        for p in tl.static_range(MAX_PLANES_C + 1):
+            tl.atomic_xchg(sync_ptr + p, 0)
 
 
 def _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
@@ -255,34 +308,60 @@ def _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, tabl
         assert t.is_contiguous(), "records, tables and candidate vectors must be contiguous"
 
 
+def encode_planes_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
+                         starts: tuple[int, ...], cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor,
+                         ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
+                         k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
+                         v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, sync: torch.Tensor, *,
+                         sink: int | None = None, num_warps: int | None = None) -> None:
+    """Every plane's candidates in one launch: candidates [starts[p], starts[p + 1]) are plane
+    p's (starts: P + 1 host ints from 0 to M, nondecreasing), in plane order. A ready
+    program of plane p > 0 first waits until every program of plane p - 1 has counted
+    itself done in `sync` (int32 [MAX_PLANES + 1], zeros; the launch leaves it zeros), since
+    its residual may read a group plane p - 1 encodes here. Programs run plane-major
+    (program ids grow with the plane), and a program waits only on programs with lower
+    ids, which the GPU has started before it: no deadlock. No argument checks (`_check`
+    per plane: `check_encode`), no host sync."""
+    m = starts[-1]
+    if m == 0:
+        return
+    heads, dim = k_tail.shape[1:]
+    planes = row_maps.shape[1]
+    assert len(starts) == planes + 1 and starts[0] == 0, "starts: planes + 1 candidate offsets from 0"
+    bounds = [*starts[1:], m, m, m][:MAX_PLANES - 1]  # planes past the last one: no candidates
+    v_groups = triton.cdiv(dim, GROUP)
+    _encode_kernel[(m * heads * 2,)](
+        k_tail, v_tail, tables, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo, v_codes,
+        v_scale, v_lo, group_tables, row_maps, sync, k_tail.stride(0), k_tail.stride(1), v_tail.stride(0),
+        v_tail.stride(1), heads, planes, group_tables.shape[2], row_maps.shape[2],
+        k_codes.shape[0] - 1 if sink is None else sink, *bounds, m * heads * 2,
+        PLANES=planes, PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
+        BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False,
+        **({} if num_warps is None else {"num_warps": num_warps}))
+
+
+def new_sync(device: torch.device) -> torch.Tensor:
+    """The counts `encode_planes_triton` orders planes by: zeros, and zeros again after each launch."""
+    return torch.zeros(MAX_PLANES + 1, dtype=torch.int32, device=device)
+
+
 def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
                          plane: int, cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor,
                          ready: torch.Tensor, table_offsets: torch.Tensor, k_codes: torch.Tensor,
                          k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor,
                          v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, *,
-                         sink: int | None = None, num_warps: int | None = None, check: bool = True) -> None:
-    """One launch of (candidates, KV heads, K | V) programs; no host sync. `num_warps`:
-    Triton's default when None (bench/int4_prefill_sweep.py times others). `check` False
-    skips the argument checks (`PackedResiduals.encode` runs them once per pass, not at
-    every layer and plane: they cost a prefill layer call about as much as the launch)."""
-    args = (k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
-            v_codes, v_scale, v_lo, group_tables, row_maps)
-    if check:
-        _check(*args)
+                         sink: int | None = None, num_warps: int | None = None) -> None:
+    """One plane's candidates: `encode_planes_triton` with them all at `plane` (nothing to
+    wait for), its arguments checked. `num_warps`: Triton's default when None
+    (bench/int4_prefill_sweep.py times others)."""
+    _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
+           v_codes, v_scale, v_lo, group_tables, row_maps)
     m = cells.shape[0]
-    if m == 0:
-        return
-    heads, dim = k_tail.shape[1:]
-    v_groups = triton.cdiv(dim, GROUP)
-    _encode_kernel[(m, heads, 2)](
-        k_tail, v_tail, tables, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo, v_codes,
-        v_scale, v_lo, group_tables, row_maps, k_tail.stride(0), k_tail.stride(1), v_tail.stride(0),
-        v_tail.stride(1), heads, row_maps.shape[1], group_tables.shape[2], row_maps.shape[2],
-        k_codes.shape[0] - 1 if sink is None else sink,
-        PLANE=plane, PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
-        BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False,
-        **({} if num_warps is None else {"num_warps": num_warps}))
+    starts = tuple([0] * (plane + 1) + [m] * (row_maps.shape[1] - plane))
+    encode_planes_triton(k_tail, v_tail, tables, page_size, starts, cells, positions, records, ready, table_offsets,
+                         k_codes, k_scale, k_lo, v_codes, v_scale, v_lo, group_tables, row_maps,
+                         new_sync(k_tail.device), sink=sink, num_warps=num_warps)
 
 
 # --- torch reference ------------------------------------------------------------------
@@ -336,22 +415,16 @@ def encode_groups(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tens
                   cells: torch.Tensor, positions: torch.Tensor, records: torch.Tensor, ready: torch.Tensor,
                   table_offsets: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_lo: torch.Tensor,
                   v_codes: torch.Tensor, v_scale: torch.Tensor, v_lo: torch.Tensor, group_tables: torch.Tensor,
-                  row_maps: torch.Tensor, *, sink: int | None = None, use_triton: bool | None = None,
-                  check: bool = True) -> None:
+                  row_maps: torch.Tensor, *, sink: int | None = None, use_triton: bool | None = None) -> None:
     """Encode plane `plane`'s ready candidates of one layer into their records, in place
     (module docstring); `sink` defaults to the last record. Triton on CUDA by default;
-    use_triton=True also runs it on CPU under TRITON_INTERPRET=1. `check` False: the
-    Triton launch skips its argument checks (the caller ran `check_encode` on the same
-    shapes); the reference always checks."""
+    use_triton=True also runs it on CPU under TRITON_INTERPRET=1."""
     if use_triton is None:
         use_triton = k_tail.is_cuda
     assert not use_triton or k_tail.is_cuda or _INTERPRET, "Triton runs on CUDA tensors or under TRITON_INTERPRET=1"
-    args = (k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready, table_offsets, k_codes,
-            k_scale, k_lo, v_codes, v_scale, v_lo, group_tables, row_maps)
-    if use_triton:
-        encode_groups_triton(*args, sink=sink, check=check)
-    else:
-        encode_groups_reference(*args, sink=sink)
+    fn = encode_groups_triton if use_triton else encode_groups_reference
+    fn(k_tail, v_tail, tables, page_size, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale,
+       k_lo, v_codes, v_scale, v_lo, group_tables, row_maps, sink=sink)
 
 
 def check_encode(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, plane: int, cells: torch.Tensor,

@@ -61,7 +61,7 @@ from specloop.kernels import packed_rows
 from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_keys import PackedKV
 from specloop.kernels.packed_rows import NEVER  # seal of a group no query reads reconstructed (not encoded yet)
-from specloop.kernels.residual_encode import check_encode, encode_groups
+from specloop.kernels.residual_encode import check_encode, encode_groups_reference, encode_planes_triton, new_sync
 from specloop.flashloop.kv_residual.batch import ResidualUpdate
 
 
@@ -79,8 +79,9 @@ class EncodePlan:
     ready: list[torch.Tensor] = dataclasses.field(default_factory=list)
     records: list[torch.Tensor] = dataclasses.field(default_factory=list)
     positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    # per plane with candidates: (plane, its candidate vectors made contiguous), at the first encode
-    launches: list[tuple[int, tuple[torch.Tensor, ...]]] | None = None
+    # (starts, cells, positions, records, ready, table_offsets) of every plane end to end, at the
+    # first encode (`PackedResiduals.encode`): plane p's candidates are [starts[p], starts[p + 1])
+    launch: tuple | None = None
 
 
 class PackedResiduals:
@@ -114,6 +115,8 @@ class PackedResiduals:
         self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
         # every layer's view, made once: a prefill layer call asks for it several times, and
         # its six slices cost host time at each (the tensors are never reassigned)
+        self.encode_triton = torch.device(device).type == "cuda"  # the encoder's Triton launch (else its torch reference)
+        self.encode_sync = new_sync(device)  # the encoder's plane-order counts (`encode_planes_triton`)
         self._views = [PackedKV(KGroups(self.k_codes[i], self.k_scale[i], self.k_lo[i]),
                                 VGroups(self.v_codes[i], self.v_scale[i], self.v_lo[i]),
                                 self.seal, self.group_tables, self.row_maps) for i in range(num_layers)]
@@ -229,7 +232,7 @@ class PackedResiduals:
         `committed` [cells] long: each cell's committed length (rows at positions >= it are
         candidates that may still be rejected). `first` [cells, P] long (execution policy):
         the pass's first query position per (cell, plane), NEVER where it has none."""
-        plan.ready, plan.records, plan.positions, plan.launches = [], [], [], None
+        plan.ready, plan.records, plan.positions, plan.launch = [], [], [], None
         for p, (cells, groups) in enumerate(zip(plan.cells, plan.groups)):
             if cells.numel() == 0:  # a plane without candidates (a host-known size: no sync)
                 plan.ready.append(cells.bool())
@@ -269,23 +272,36 @@ class PackedResiduals:
                tables: torch.Tensor, page_size: int) -> None:
         """Write layer `layer` of the plan's ready groups from the exact values in the BF16
         tail (k_tail, v_tail [S, Hkv, D]: this layer of the pool; each candidate's rows at
-        their plane's page table): one launch per plane (`residual_encode.encode_groups`:
-        Triton on CUDA, its torch reference elsewhere), in plane order, since a residual
-        reads the reconstruction of the plane before. The arguments are checked at the plan's
-        first encode only: the other layers' are the same shapes."""
-        if plan.launches is None:  # the pass's first layer: its planes' arguments, contiguous, checked once
-            plan.launches = []
-            for p in range(len(plan.cells)):
-                if plan.cells[p].numel():
-                    cand = (plan.cells[p].contiguous(), plan.positions[p].contiguous(), plan.records[p].contiguous(),
-                            plan.ready[p].contiguous(), plan.table_offsets[p].contiguous())
-                    check_encode(k_tail, v_tail, tables, p, *cand, *self._record_args(layer), self.group_tables,
-                                 self.row_maps)
-                    plan.launches.append((p, cand))
+        their plane's page table). Triton (`encode_triton`, on CUDA): one launch for every
+        plane (`residual_encode.encode_planes_triton`), whose programs of plane p wait for
+        plane p - 1's, since a residual reads the reconstruction of the plane before; the
+        candidates of all planes are put end to end and checked at the plan's first encode
+        only (the other layers' arguments are the same shapes). Elsewhere the torch
+        reference, plane by plane in plane order."""
+        if plan.launch is None:  # the pass's first layer
+            with_cands = [p for p in range(len(plan.cells)) if plan.cells[p].numel()]
+            for p in with_cands:
+                check_encode(k_tail, v_tail, tables, p, plan.cells[p].contiguous(), plan.positions[p].contiguous(),
+                             plan.records[p].contiguous(), plan.ready[p].contiguous(),
+                             plan.table_offsets[p].contiguous(), *self._record_args(layer), self.group_tables,
+                             self.row_maps)
+            counts = [plan.cells[p].numel() for p in range(len(plan.cells))]
+            starts = tuple(sum(counts[:p]) for p in range(len(counts) + 1))
+            cat = lambda field: torch.cat([getattr(plan, field)[p] for p in with_cands]) if with_cands else None  # noqa: E731
+            plan.launch = (starts, *(cat(f) for f in ("cells", "positions", "records", "ready", "table_offsets")))
+        starts = plan.launch[0]
+        if starts[-1] == 0:
+            return
         records = self._record_args(layer)
-        for p, cand in plan.launches:
-            encode_groups(k_tail, v_tail, tables, page_size, p, *cand, *records, self.group_tables, self.row_maps,
-                          sink=self.sink, check=False)
+        if self.encode_triton:
+            encode_planes_triton(k_tail, v_tail, tables, page_size, starts, *plan.launch[1:], *records,
+                                 self.group_tables, self.row_maps, self.encode_sync, sink=self.sink)
+            return
+        for p in range(len(plan.cells)):
+            if plan.cells[p].numel():
+                encode_groups_reference(k_tail, v_tail, tables, page_size, p, plan.cells[p], plan.positions[p],
+                                        plan.records[p], plan.ready[p], plan.table_offsets[p], *records,
+                                        self.group_tables, self.row_maps, sink=self.sink)
 
     def _record_args(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Layer `layer`'s K codes, scale and lo, then V's (views made once)."""
