@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -97,7 +98,7 @@ def _variant(name: str, args: argparse.Namespace) -> dict:
     runtime: dict[str, list] = {}  # CUDA runtime/driver calls on the host: [count, host ms]
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        if t:
+        if t and e.device_type == DeviceType.CUDA:  # kernels and copies, not the CPU ops that launched them
             kernels[e.key] += t
             counts[e.key] += e.count
         if e.key.startswith(("cuda", "cu")) and e.self_cpu_time_total:
