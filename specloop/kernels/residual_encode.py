@@ -54,7 +54,8 @@ Kernel: a program per (candidate, KV head, K or V), one grid axis; a not-ready
 candidate's programs only count themselves done. K: the 64 rows as even and odd rows
 ([32, D] each: the two nibbles of a code byte), statistics per channel over both; V: [64 rows, groups, 32] tiles of even and
 odd channels, statistics per (row, group). Reconstruction walks planes 0..plane - 1 as a
-static loop (a branch per plane, each with its plane a constexpr), each element's code,
+loop over the planes (one compiled body for every plane: a branch per plane, each
+with its plane a constexpr, took 239 registers and twice the compile time), each element's code,
 scale and lo gathered from its row's record, as `packed_attention` reads keys. The codec's
 `_stats` and `_code` are shared with `int4_groups`. No host sync in `encode_groups_triton`.
 
@@ -131,19 +132,19 @@ def _dequantized(pos, c, ok, base, plane, head, sink, codes_ptr, scale_ptr, lo_p
 @triton.jit
 def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th, tables_ptr,
             codes_ptr, scale_ptr, lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
-            PLANE: tl.constexpr, IS_V: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            plane, IS_V: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
             V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """What plane PLANE quantizes at (positions pos, channels c), fp32 holding DT: the exact
-    value from the tail, minus the reconstruction at plane PLANE - 1 when PLANE > 0."""
+    """What plane `plane` quantizes at (positions pos, channels c), fp32 holding DT: the exact
+    value from the tail, minus the reconstruction at plane - 1 when plane > 0."""
     dtype = tail_ptr.dtype.element_ty
     page = tl.load(tables_ptr + table + pos // PAGE_SIZE).to(tl.int64)
     slot = page * PAGE_SIZE + pos % PAGE_SIZE
     x = tl.load(tail_ptr + slot * stride_ts + head * stride_th + c, mask=ok, other=0.0).to(tl.float32)
-    if PLANE > 0:
+    if plane > 0:
         hat, _ = _dequantized(pos, c, ok, base, 0, head, sink, codes_ptr, scale_ptr, lo_ptr, group_tables_ptr,
                               row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V, HEAD_DIM, V_GROUPS, dtype,
                               BF16_BY_HAND)
-        for p in tl.static_range(1, PLANE):
+        for p in range(1, plane):
             dq, has = _dequantized(pos, c, ok, base, p, head, sink, codes_ptr, scale_ptr, lo_ptr,
                                    group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V,
                                    HEAD_DIM, V_GROUPS, dtype, BF16_BY_HAND)
@@ -155,7 +156,7 @@ def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th,
 @triton.jit
 def _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr, positions_ptr,
               k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
-              PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+              plane, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
               BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """K of one (candidate, head): even rows 2p and odd rows 2p + 1 [32, BLOCK_D] (a code
     byte's two nibbles), per-channel parameters."""
@@ -166,10 +167,10 @@ def _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_
     pos_b = tl.load(positions_ptr + m * 64 + 2 * p + 1)
     a = _target(pos_a, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
                 k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+                max_groups, max_len, plane, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
     b = _target(pos_b, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
                 k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, PLANE, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+                max_groups, max_len, plane, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
     lo16, scale16, varies = _stats(a, b, ok, ok, 0)  # per channel [1, BLOCK_D]
     byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
     tl.store(k_codes_ptr + ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, byte.to(tl.uint8), mask=ok)
@@ -181,7 +182,7 @@ def _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_
 @triton.jit
 def _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr, positions_ptr,
               v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
-              PLANE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+              plane, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
               BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """V of one (candidate, head): rows [64, 1, 1] x groups [1, BLOCK_G, 1] x even channels
     64 j + 2 i [1, BLOCK_G, 32], parameters per (row, 64 channels)."""
@@ -192,10 +193,10 @@ def _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_
     pos = tl.load(positions_ptr + m * 64 + i)
     a = _target(pos, c, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
                 v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+                max_groups, max_len, plane, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
     b = _target(pos, c + 1, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
                 v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, PLANE, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+                max_groups, max_len, plane, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
     lo16, scale16, varies = _stats(a, b, ok, ok, 2)  # per (row, group) [64, BLOCK_G, 1]
     byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
     vrow = (record * 64 + i) * num_kv_heads + head
@@ -208,7 +209,7 @@ def _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_
 @triton.jit
 def _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh, stride_vs,
                 stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr,
-                v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, PLANE: tl.constexpr,
+                v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, plane,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     # K and V bodies live in their own functions: a compiled if/else must give the names
@@ -216,20 +217,20 @@ def _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr
     if is_v == 0:
         _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
                   positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr,
-                  num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BF16_BY_HAND)
+                  num_kv_heads, max_groups, max_len, plane, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BF16_BY_HAND)
     else:
         _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
                   positions_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
-                  num_kv_heads, max_groups, max_len, PLANE, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G, BF16_BY_HAND)
+                  num_kv_heads, max_groups, max_len, plane, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_G, BF16_BY_HAND)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start1", "start2", "start3", "total"])
 def _encode_kernel(
     k_tail_ptr, v_tail_ptr, tables_ptr, cells_ptr, positions_ptr, records_ptr, ready_ptr, table_offsets_ptr,
     k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
     sync_ptr, stride_ks, stride_kh, stride_vs, stride_vh, num_kv_heads, num_planes, max_groups, max_len, sink,
     start1, start2, start3, total,
-    PLANES: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     # program (m * Hkv + head) * 2 + (K: 0, V: 1); candidates [start_p, start_(p+1)) are plane p's
@@ -249,29 +250,10 @@ def _encode_kernel(
         base = tl.load(cells_ptr + m).to(tl.int64) * num_planes  # (cell, plane 0) of the tables
         record = tl.load(records_ptr + m).to(tl.int64)
         table = tl.maximum(tl.load(table_offsets_ptr + m).to(tl.int64), 0)
-        if plane == 0:
-            _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
-                        stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
-                        v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                        max_groups, max_len, 0, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
-        if PLANES > 1:
-            if plane == 1:
-                _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
-                            stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
-                            v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                            max_groups, max_len, 1, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
-        if PLANES > 2:
-            if plane == 2:
-                _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
-                            stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
-                            v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                            max_groups, max_len, 2, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
-        if PLANES > 3:
-            if plane == 3:
-                _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
-                            stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr,
-                            v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                            max_groups, max_len, 3, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
+        _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr, stride_ks, stride_kh,
+                    stride_vs, stride_vh, tables_ptr, positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, v_codes_ptr,
+                    v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, plane,
+                    PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BLOCK_G, BF16_BY_HAND)
     # every warp's stores before the count that releases the next plane; the last program
     # of the launch puts the counts back to zero for the next launch (CUDA graphs replay it)
     tl.debug_barrier()
@@ -335,7 +317,7 @@ def encode_planes_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
         v_scale, v_lo, group_tables, row_maps, sync, k_tail.stride(0), k_tail.stride(1), v_tail.stride(0),
         v_tail.stride(1), heads, planes, group_tables.shape[2], row_maps.shape[2],
         k_codes.shape[0] - 1 if sink is None else sink, *bounds, m * heads * 2,
-        PLANES=planes, PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
+        PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
         BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False,
         **({} if num_warps is None else {"num_warps": num_warps}))
