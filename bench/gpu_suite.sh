@@ -161,10 +161,11 @@ if [ "$PART" = int4-prefill ]; then
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 &
   TAIL=6 step 150 python -m pytest -q -rf --tb=line tests/test_kernels_chunk_attention.py \
     tests/test_kernels_residual_encode.py tests/test_cuda_no_sync.py
-  TAIL=6 step 200 python -m pytest -q -rf --tb=line tests/test_kv_residual_engine.py -k "chunk or cuda or triton" \
-    tests/test_cuda_graphs.py -k "chunk or cuda or triton or int4 or residual"  # the encoder runs in decode graphs
+  TAIL=6 step 200 python -m pytest -q -rf --tb=line tests/test_kv_residual_engine.py -k "chunk or cuda or triton"
+  # the encoder runs inside decode graphs
+  TAIL=6 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py -k "int4 or residual"
   wait
-  TAIL=80 step 240 python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 --reps 2 \
+  TAIL=80 step 200 python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 --reps 2 \
     --out "$OUT/profile_prefill_8k_h200.json" --trace "$OUT"
   exit 0
 fi
