@@ -81,14 +81,14 @@ class ResidualDevice:
         its packed groups from the plane's frontier on (so no query will read it exact, and
         no copy or encoding reads it)."""
         store, bs = self.store, self.page_size
+        cells, planes = scan.cells.shape[0], store.num_planes
         span = torch.arange(scan.span, device=scan.cells.device)
-        out = []
-        for p in range(store.num_planes):
-            positions = (scan.released[:, p, None] * bs + span).clamp(max=store.max_len - 1)
-            ok = store.seals(scan.cells, p, positions) <= scan.frontiers[:, p, None]
-            whole = ok.view(ok.shape[0], -1, bs).all(-1).long()  # [C, span / bs] pages
-            out.append(scan.released[:, p] + whole.cumprod(-1).sum(-1))
-        return torch.stack(out, 1)
+        # every (request, plane) in one seals call: row c * P + p reads at depth p
+        depths = torch.arange(planes, device=span.device).repeat(cells)
+        positions = (scan.released.reshape(-1, 1) * bs + span).clamp(max=store.max_len - 1)  # [C * P, span]
+        ok = store.seals(scan.cells.repeat_interleave(planes), depths, positions) <= scan.frontiers.reshape(-1, 1)
+        whole = ok.view(cells, planes, -1, bs).all(-1).long()  # [C, P, span / bs] pages
+        return scan.released + whole.cumprod(-1).sum(-1)
 
     def stats(self) -> dict[str, int]:
         return {}
