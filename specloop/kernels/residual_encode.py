@@ -52,12 +52,13 @@ layer, each with its Python checks: the INT4 prefill was bound by host launches
 
 Kernel: a program per (candidate, KV head, K or V), one grid axis; a not-ready
 candidate's programs only count themselves done. K: the 64 rows as even and odd rows
-([32, D] each: the two nibbles of a code byte), statistics per channel over both; V: [64 rows, groups, 32] tiles of even and
-odd channels, statistics per (row, group). Reconstruction walks planes 0..plane - 1 as a
-loop over the planes (one compiled body for every plane: a branch per plane, each
-with its plane a constexpr, took 239 registers and twice the compile time), each element's code,
-scale and lo gathered from its row's record, as `packed_attention` reads keys. The codec's
-`_stats` and `_code` are shared with `int4_groups`. No host sync in `encode_groups_triton`.
+([32, D] each: the two nibbles of a code byte), statistics per channel over both; V:
+[64 rows, groups, 32] tiles of even and odd channels, statistics per (row, group).
+Reconstruction walks planes 0..plane - 1 in a loop whose bound is the program's plane (one
+compiled body for every plane; a branch per plane, each with its plane a constexpr, took
+239 registers and twice the compile time), each element's code, scale and lo gathered
+from its row's record, as `packed_attention` reads keys. The codec's `_stats` and `_code`
+are shared with `int4_groups`. No host sync.
 
 Precision: FMA contraction is off for the launch (the decode must not fuse). Under
 `TRITON_INTERPRET=1` the fp32 -> bf16 cast truncates, so the DT roundings of the

@@ -80,7 +80,7 @@ class EncodePlan:
     records: list[torch.Tensor] = dataclasses.field(default_factory=list)
     positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
     # (starts, cells, positions, records, ready, table_offsets) of every plane end to end, at the
-    # first encode (`PackedResiduals.encode`): plane p's candidates are [starts[p], starts[p + 1])
+    # first Triton encode (`PackedResiduals.encode`): plane p's candidates are [starts[p], starts[p + 1])
     launch: tuple | None = None
 
 
@@ -113,10 +113,10 @@ class PackedResiduals:
         self.sink = num_records
         self.pad_cell = num_cells  # holds no rows and no records: its candidates are never ready
         self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
+        self.encode_triton = torch.device(device).type == "cuda"  # the encoder's Triton launch (else its reference)
+        self.encode_sync = new_sync(device)  # the encoder's plane-order counts (`encode_planes_triton`)
         # every layer's view, made once: a prefill layer call asks for it several times, and
         # its six slices cost host time at each (the tensors are never reassigned)
-        self.encode_triton = torch.device(device).type == "cuda"  # the encoder's Triton launch (else its torch reference)
-        self.encode_sync = new_sync(device)  # the encoder's plane-order counts (`encode_planes_triton`)
         self._views = [PackedKV(KGroups(self.k_codes[i], self.k_scale[i], self.k_lo[i]),
                                 VGroups(self.v_codes[i], self.v_scale[i], self.v_lo[i]),
                                 self.seal, self.group_tables, self.row_maps) for i in range(num_layers)]
@@ -278,30 +278,28 @@ class PackedResiduals:
         candidates of all planes are put end to end and checked at the plan's first encode
         only (the other layers' arguments are the same shapes). Elsewhere the torch
         reference, plane by plane in plane order."""
+        records = self._record_args(layer)
+        if not self.encode_triton:
+            for p in range(len(plan.cells)):
+                if plan.cells[p].numel():
+                    encode_groups_reference(k_tail, v_tail, tables, page_size, p, plan.cells[p], plan.positions[p],
+                                            plan.records[p], plan.ready[p], plan.table_offsets[p], *records,
+                                            self.group_tables, self.row_maps, sink=self.sink)
+            return
         if plan.launch is None:  # the pass's first layer
             with_cands = [p for p in range(len(plan.cells)) if plan.cells[p].numel()]
             for p in with_cands:
                 check_encode(k_tail, v_tail, tables, p, plan.cells[p].contiguous(), plan.positions[p].contiguous(),
                              plan.records[p].contiguous(), plan.ready[p].contiguous(),
-                             plan.table_offsets[p].contiguous(), *self._record_args(layer), self.group_tables,
-                             self.row_maps)
+                             plan.table_offsets[p].contiguous(), *records, self.group_tables, self.row_maps)
             counts = [plan.cells[p].numel() for p in range(len(plan.cells))]
             starts = tuple(sum(counts[:p]) for p in range(len(counts) + 1))
-            cat = lambda field: torch.cat([getattr(plan, field)[p] for p in with_cands]) if with_cands else None  # noqa: E731
-            plan.launch = (starts, *(cat(f) for f in ("cells", "positions", "records", "ready", "table_offsets")))
+            fields = (plan.cells, plan.positions, plan.records, plan.ready, plan.table_offsets)
+            plan.launch = (starts, *(torch.cat([f[p] for p in with_cands]) if with_cands else None for f in fields))
         starts = plan.launch[0]
-        if starts[-1] == 0:
-            return
-        records = self._record_args(layer)
-        if self.encode_triton:
+        if starts[-1]:
             encode_planes_triton(k_tail, v_tail, tables, page_size, starts, *plan.launch[1:], *records,
                                  self.group_tables, self.row_maps, self.encode_sync, sink=self.sink)
-            return
-        for p in range(len(plan.cells)):
-            if plan.cells[p].numel():
-                encode_groups_reference(k_tail, v_tail, tables, page_size, p, plan.cells[p], plan.positions[p],
-                                        plan.records[p], plan.ready[p], plan.table_offsets[p], *records,
-                                        self.group_tables, self.row_maps, sink=self.sink)
 
     def _record_args(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Layer `layer`'s K codes, scale and lo, then V's (views made once)."""
