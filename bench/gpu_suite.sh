@@ -24,8 +24,8 @@
 # DECODE: tokens each request decodes; CUT: seconds after which a case is aborted and reported as cut;
 # TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention (PROFILE:
 # the variants, e.g. "dense sparse int4 all"; BATCHES, e.g. 1,16); PART=int4-prefill the INT4
-# prompt chunks' kernel, engine and no-sync tests and bench/profile_prefill.py at 8K (dense,
-# int4). Unset: tests, preempt, bench and serve, one after the other.
+# prompt chunks' kernel, engine, graph and no-sync tests and bench/profile_prefill.py at 8K (dense,
+# int4; ROWS: the plan sizes, default "2048 8192"). Unset: tests, preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -165,8 +165,10 @@ if [ "$PART" = int4-prefill ]; then
   # the encoder runs inside decode graphs
   TAIL=6 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py -k "int4 or residual"
   wait
-  TAIL=80 step 200 python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 --reps 2 \
-    --out "$OUT/profile_prefill_8k_h200.json" --trace "$OUT"
+  for rows in ${ROWS:-2048 8192}; do  # the engine's default plan, and 8192 rows (4 calls for an 8K prompt)
+    TAIL=40 step 150 python bench/profile_prefill.py --model /tmp/ouro14 --prompt 8192 --variants dense,int4 --reps 2 \
+      --rows "$rows" --out "$OUT/profile_prefill_8k_rows${rows}_h200.json" --trace "$OUT/trace$rows"
+  done
   exit 0
 fi
 [ "$PART" = preempt ] && python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 \

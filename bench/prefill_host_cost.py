@@ -50,13 +50,14 @@ def main() -> None:
     ap.add_argument("--variant", default="int4", choices=list(VARIANTS))
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--kv-bytes", type=int, default=512 << 20, help="KV cache bytes (the pool bounds INT4's chunks)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ops", action="store_true", help="count torch ops a forward call, by caller")
     args = ap.parse_args()
     residual_encode._INTERPRET = True  # fp32 here: nothing is rounded by hand
     engine = EngineCore(EngineConfig.from_kwargs(
         args.model, device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=8,
-        kv_cache_bytes=512 << 20, max_num_batched_tokens=args.rows, max_model_len=args.prompt + 8,
+        kv_cache_bytes=args.kv_bytes, max_num_batched_tokens=args.rows, max_model_len=args.prompt + 8,
         **VARIANTS[args.variant]))
     vocab = engine.model.config.vocab_size
     store = getattr(engine.backend.kv, "planes", None)
