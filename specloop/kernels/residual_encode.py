@@ -415,6 +415,7 @@ def check_encode(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tenso
                  k_codes: torch.Tensor, k_scale: torch.Tensor, k_lo: torch.Tensor, v_codes: torch.Tensor,
                  v_scale: torch.Tensor, v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor
                  ) -> None:
-    """The checks `encode_groups` runs, for a caller that then launches with check=False."""
+    """The checks of one plane's Triton launch (`encode_groups_triton`), for a caller that
+    launches `encode_planes_triton`, which checks nothing (the Triton dtypes: no fp64)."""
     _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
-           v_codes, v_scale, v_lo, group_tables, row_maps, REFERENCE_DTYPES)
+           v_codes, v_scale, v_lo, group_tables, row_maps)
