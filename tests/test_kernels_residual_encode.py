@@ -204,10 +204,12 @@ def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]
     (16, 2, torch.bfloat16),
     (128, 2, torch.float32),
     (128, 1, torch.bfloat16),
+    (96, 1, torch.bfloat16),
 ])
 def test_kernel_encodes_what_the_torch_path_encodes(dim, heads, dtype):
-    """Head dims 16 (one V group of 16 channels) and 128 (two), one and two KV heads; two
-    cells, one dense and one sparse at deeper planes."""
+    """Head dims 16 (one V group of 16 channels), 128 (two) and 96 (a full V group and a
+    half one: masked lanes inside a tile), one and two KV heads; two cells, one dense and
+    one sparse at deeper planes."""
     _run(dim, heads, dtype, [(1, 1, 1, 1), (1, 0.8, 0.6, 0.5)], t=256, seed=dim + heads)
 
 

@@ -95,61 +95,59 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_PLANES = 4
 MAX_PLANES_C = tl.constexpr(MAX_PLANES)  # the kernel's count slot: sync[MAX_PLANES]
 REFERENCE_DTYPES = (*DTYPES, torch.float64)  # the torch reference also takes fp64
+NUM_WARPS = 4  # the launch's warps by default
 
 
 # --- Triton ---------------------------------------------------------------------------
 
 @triton.jit
-def _dequantized(pos, c, ok, base, plane, head, sink, codes_ptr, scale_ptr, lo_ptr, group_tables_ptr,
-                 row_maps_ptr, num_kv_heads, max_groups, max_len,
-                 IS_V: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr, DTYPE: tl.constexpr,
-                 BF16_BY_HAND: tl.constexpr):
-    """(dq, has): the decode at channels c of the rows positions `pos` have in `plane` (fp32
-    holding DT) and whether they have one; a row without one reads the sink's row 0."""
+def _plane_rows(pos, base, plane, sink, group_tables_ptr, row_maps_ptr, max_groups, max_len):
+    """Per row (1-D, like pos): the record (int64) and in-group row of each position's row at
+    `plane`, and whether it has one; a position without one reads the sink's row 0."""
     at = (base + plane) * max_len + pos  # (cell, plane, position) of the row maps
     row = tl.load(row_maps_ptr + at)
     has = row >= 0
     row = tl.where(has, row, 0)
     record = tl.load(group_tables_ptr + (base + plane) * max_groups + row // 64)
-    record = tl.where(has, record, sink).to(tl.int64)
-    i = row % 64  # in-group row
-    if IS_V:
-        # byte (record * 64 + i, head, c // 2), the channel's nibble; scale / lo per 64 channels
-        vrow = (record * 64 + i) * num_kv_heads + head
-        byte = tl.load(codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, mask=ok, other=0).to(tl.int32)
-        code = (byte >> (4 * (c % 2))) & 0xF
-        meta = vrow * V_GROUPS + c // 64
-    else:
-        # byte (record, i // 2, head, c), the row's nibble; scale / lo (record, head, c)
-        byte = tl.load(codes_ptr + ((record * 32 + i // 2) * num_kv_heads + head) * HEAD_DIM + c, mask=ok,
-                       other=0).to(tl.int32)
-        code = (byte >> (4 * (i % 2))) & 0xF
-        meta = (record * num_kv_heads + head) * HEAD_DIM + c
-    scale = tl.load(scale_ptr + meta, mask=ok, other=1.0).to(tl.float32)
-    lo = tl.load(lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(has, record, sink).to(tl.int64), row % 64, has
+
+
+@triton.jit
+def _k_decoded(pos, d, ok, base, plane, head, sink, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr,
+               row_maps_ptr, num_kv_heads, max_groups, max_len, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
+               BF16_BY_HAND: tl.constexpr):
+    """(dq [R, BLOCK_D], has [R]): the K decode at channels d of the rows positions pos [R]
+    have in `plane` (fp32 holding DT). Code byte (record, i // 2, head, c), the row's
+    nibble; scale / lo (record, head, c)."""
+    record, i, has = _plane_rows(pos, base, plane, sink, group_tables_ptr, row_maps_ptr, max_groups, max_len)
+    at = ((record * 32 + i // 2) * num_kv_heads + head) * HEAD_DIM
+    byte = tl.load(k_codes_ptr + at[:, None] + d, mask=ok, other=0).to(tl.int32)
+    code = (byte >> (4 * (i % 2))[:, None]) & 0xF
+    meta = ((record * num_kv_heads + head) * HEAD_DIM)[:, None] + d
+    scale = tl.load(k_scale_ptr + meta, mask=ok, other=1.0).to(tl.float32)
+    lo = tl.load(k_lo_ptr + meta, mask=ok, other=0.0).to(tl.float32)
     return round_to(lo + scale * code.to(tl.float32), DTYPE, BF16_BY_HAND), has
 
 
 @triton.jit
-def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th, tables_ptr,
-            codes_ptr, scale_ptr, lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
-            plane, IS_V: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-            V_GROUPS: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """What plane `plane` quantizes at (positions pos, channels c), fp32 holding DT: the exact
-    value from the tail, minus the reconstruction at plane - 1 when plane > 0."""
-    dtype = tail_ptr.dtype.element_ty
+def _k_target(pos, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr, k_codes_ptr,
+              k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, plane,
+              PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """What plane `plane` quantizes at rows pos [R] x channels d [1, BLOCK_D] of K, fp32
+    holding DT: the exact value from the tail, minus the reconstruction at plane - 1 when
+    plane > 0. Row metadata stays 1-D (a thread holds a row's, not every row's)."""
+    dtype = k_tail_ptr.dtype.element_ty
     page = tl.load(tables_ptr + table + pos // PAGE_SIZE).to(tl.int64)
-    slot = page * PAGE_SIZE + pos % PAGE_SIZE
-    x = tl.load(tail_ptr + slot * stride_ts + head * stride_th + c, mask=ok, other=0.0).to(tl.float32)
+    at = (page * PAGE_SIZE + pos % PAGE_SIZE) * stride_ks + head * stride_kh
+    x = tl.load(k_tail_ptr + at[:, None] + d, mask=ok, other=0.0).to(tl.float32)
     if plane > 0:
-        hat, _ = _dequantized(pos, c, ok, base, 0, head, sink, codes_ptr, scale_ptr, lo_ptr, group_tables_ptr,
-                              row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V, HEAD_DIM, V_GROUPS, dtype,
-                              BF16_BY_HAND)
+        hat, _ = _k_decoded(pos, d, ok, base, 0, head, sink, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr,
+                            row_maps_ptr, num_kv_heads, max_groups, max_len, HEAD_DIM, dtype, BF16_BY_HAND)
         for p in range(1, plane):
-            dq, has = _dequantized(pos, c, ok, base, p, head, sink, codes_ptr, scale_ptr, lo_ptr,
-                                   group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, IS_V,
-                                   HEAD_DIM, V_GROUPS, dtype, BF16_BY_HAND)
-            hat = tl.where(has, round_to(hat + dq, dtype, BF16_BY_HAND), hat)
+            dq, has = _k_decoded(pos, d, ok, base, p, head, sink, k_codes_ptr, k_scale_ptr, k_lo_ptr,
+                                 group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, HEAD_DIM, dtype,
+                                 BF16_BY_HAND)
+            hat = tl.where(has[:, None], round_to(hat + dq, dtype, BF16_BY_HAND), hat)
         x = round_to(x - hat, dtype, BF16_BY_HAND)
     return x
 
@@ -157,27 +155,46 @@ def _target(pos, c, ok, base, table, head, sink, tail_ptr, stride_ts, stride_th,
 @triton.jit
 def _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr, positions_ptr,
               k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
-              plane, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
-              BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+              plane, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BF16_BY_HAND: tl.constexpr):
     """K of one (candidate, head): even rows 2p and odd rows 2p + 1 [32, BLOCK_D] (a code
     byte's two nibbles), per-channel parameters."""
-    p = tl.arange(0, 32)[:, None]
+    p = tl.arange(0, 32)
     d = tl.arange(0, BLOCK_D)[None, :]
     ok = d < HEAD_DIM
     pos_a = tl.load(positions_ptr + m * 64 + 2 * p)
     pos_b = tl.load(positions_ptr + m * 64 + 2 * p + 1)
-    a = _target(pos_a, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
-                k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, plane, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-    b = _target(pos_b, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
-                k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, plane, False, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+    a = _k_target(pos_a, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr, k_codes_ptr,
+                  k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, plane,
+                  PAGE_SIZE, HEAD_DIM, BF16_BY_HAND)
+    b = _k_target(pos_b, d, ok, base, table, head, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr, k_codes_ptr,
+                  k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, plane,
+                  PAGE_SIZE, HEAD_DIM, BF16_BY_HAND)
     lo16, scale16, varies = _stats(a, b, ok, ok, 0)  # per channel [1, BLOCK_D]
     byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
-    tl.store(k_codes_ptr + ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM + d, byte.to(tl.uint8), mask=ok)
+    rows = ((record * 32 + p) * num_kv_heads + head) * HEAD_DIM
+    tl.store(k_codes_ptr + rows[:, None] + d, byte.to(tl.uint8), mask=ok)
     meta = (record * num_kv_heads + head) * HEAD_DIM + d
     tl.store(k_scale_ptr + meta, scale16.to(tl.float16), mask=ok)
     tl.store(k_lo_ptr + meta, lo16.to(tl.float16), mask=ok)
+
+
+@triton.jit
+def _v_decoded(pos, j, k, ok, base, plane, head, sink, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr,
+               row_maps_ptr, num_kv_heads, max_groups, max_len, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
+               DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """(dq_even, dq_odd [64, BLOCK_G, 32], has [64]): the V decode of channels 64 j + 2 k and
+    64 j + 2 k + 1 of the rows positions pos [64] have in `plane`: the low and high nibble of
+    byte (record * 64 + i, head, 32 j + k), one load; scale / lo per (row, 64 channels)."""
+    record, i, has = _plane_rows(pos, base, plane, sink, group_tables_ptr, row_maps_ptr, max_groups, max_len)
+    vrow = ((record * 64 + i) * num_kv_heads + head)[:, None, None]
+    byte = tl.load(v_codes_ptr + vrow * (HEAD_DIM // 2) + 32 * j + k, mask=ok, other=0).to(tl.int32)
+    meta = vrow * V_GROUPS + j
+    scale = tl.load(v_scale_ptr + meta, mask=j < V_GROUPS, other=1.0).to(tl.float32)
+    lo = tl.load(v_lo_ptr + meta, mask=j < V_GROUPS, other=0.0).to(tl.float32)
+    even = round_to(lo + scale * (byte & 0xF).to(tl.float32), DTYPE, BF16_BY_HAND)
+    odd = round_to(lo + scale * (byte >> 4).to(tl.float32), DTYPE, BF16_BY_HAND)
+    return even, odd, has
 
 
 @triton.jit
@@ -185,23 +202,37 @@ def _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_
               v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
               plane, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUPS: tl.constexpr,
               BLOCK_G: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """V of one (candidate, head): rows [64, 1, 1] x groups [1, BLOCK_G, 1] x even channels
-    64 j + 2 i [1, BLOCK_G, 32], parameters per (row, 64 channels)."""
-    i = tl.arange(0, 64)[:, None, None]
+    """V of one (candidate, head): rows [64] x groups [BLOCK_G] x channel pairs [32], even
+    channels 64 j + 2 k (a) and odd ones (b), split from whole rows loaded as [64, BLOCK_G,
+    32, 2] (contiguous: vector loads); parameters per (row, 64 channels)."""
+    dtype = v_tail_ptr.dtype.element_ty
+    i = tl.arange(0, 64)
     j = tl.arange(0, BLOCK_G)[None, :, None]
-    c = 64 * j + 2 * tl.arange(0, 32)[None, None, :]
-    ok = c < HEAD_DIM  # D is even: so is c + 1 < D
+    k = tl.arange(0, 32)[None, None, :]
+    ok = 32 * j + k < HEAD_DIM // 2  # the pair's byte (D is even); contiguous in k, so loads vectorize
     pos = tl.load(positions_ptr + m * 64 + i)
-    a = _target(pos, c, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
-                v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, plane, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
-    b = _target(pos, c + 1, ok, base, table, head, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
-                v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr, num_kv_heads,
-                max_groups, max_len, plane, True, PAGE_SIZE, HEAD_DIM, V_GROUPS, BF16_BY_HAND)
+    page = tl.load(tables_ptr + table + pos // PAGE_SIZE).to(tl.int64)
+    at = (page * PAGE_SIZE + pos % PAGE_SIZE) * stride_vs + head * stride_vh
+    c = tl.arange(0, 64 * BLOCK_G)[None, :]
+    x = tl.load(v_tail_ptr + at[:, None] + c, mask=c < HEAD_DIM, other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(x, (64, BLOCK_G, 32, 2)))  # [64, BLOCK_G, 32] each
+    if plane > 0:
+        hat_a, hat_b, _ = _v_decoded(pos, j, k, ok, base, 0, head, sink, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                     group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len, HEAD_DIM,
+                                     V_GROUPS, dtype, BF16_BY_HAND)
+        for p in range(1, plane):
+            dq_a, dq_b, has = _v_decoded(pos, j, k, ok, base, p, head, sink, v_codes_ptr, v_scale_ptr, v_lo_ptr,
+                                         group_tables_ptr, row_maps_ptr, num_kv_heads, max_groups, max_len,
+                                         HEAD_DIM, V_GROUPS, dtype, BF16_BY_HAND)
+            has = has[:, None, None]
+            hat_a = tl.where(has, round_to(hat_a + dq_a, dtype, BF16_BY_HAND), hat_a)
+            hat_b = tl.where(has, round_to(hat_b + dq_b, dtype, BF16_BY_HAND), hat_b)
+        a = round_to(a - hat_a, dtype, BF16_BY_HAND)
+        b = round_to(b - hat_b, dtype, BF16_BY_HAND)
     lo16, scale16, varies = _stats(a, b, ok, ok, 2)  # per (row, group) [64, BLOCK_G, 1]
     byte = _code(a, ok, lo16, scale16, varies) | (_code(b, ok, lo16, scale16, varies) << 4)
-    vrow = (record * 64 + i) * num_kv_heads + head
-    tl.store(v_codes_ptr + vrow * (HEAD_DIM // 2) + c // 2, byte.to(tl.uint8), mask=ok)
+    vrow = ((record * 64 + i) * num_kv_heads + head)[:, None, None]
+    tl.store(v_codes_ptr + vrow * (HEAD_DIM // 2) + 32 * j + k, byte.to(tl.uint8), mask=ok)
     meta = vrow * V_GROUPS + j
     tl.store(v_scale_ptr + meta, scale16.to(tl.float16), mask=j < V_GROUPS)
     tl.store(v_lo_ptr + meta, lo16.to(tl.float16), mask=j < V_GROUPS)
@@ -218,7 +249,7 @@ def _encode_one(m, head, is_v, base, record, table, sink, k_tail_ptr, v_tail_ptr
     if is_v == 0:
         _encode_k(m, head, base, record, table, sink, k_tail_ptr, stride_ks, stride_kh, tables_ptr,
                   positions_ptr, k_codes_ptr, k_scale_ptr, k_lo_ptr, group_tables_ptr, row_maps_ptr,
-                  num_kv_heads, max_groups, max_len, plane, PAGE_SIZE, HEAD_DIM, V_GROUPS, BLOCK_D, BF16_BY_HAND)
+                  num_kv_heads, max_groups, max_len, plane, PAGE_SIZE, HEAD_DIM, BLOCK_D, BF16_BY_HAND)
     else:
         _encode_v(m, head, base, record, table, sink, v_tail_ptr, stride_vs, stride_vh, tables_ptr,
                   positions_ptr, v_codes_ptr, v_scale_ptr, v_lo_ptr, group_tables_ptr, row_maps_ptr,
@@ -321,7 +352,7 @@ def encode_planes_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
         PAGE_SIZE=page_size, HEAD_DIM=dim, V_GROUPS=v_groups,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_G=triton.next_power_of_2(v_groups),
         BF16_BY_HAND=_INTERPRET and k_tail.dtype == torch.bfloat16, enable_fp_fusion=False,
-        **({} if num_warps is None else {"num_warps": num_warps}))
+        num_warps=NUM_WARPS if num_warps is None else num_warps)
 
 
 def new_sync(device: torch.device) -> torch.Tensor:
@@ -336,7 +367,7 @@ def encode_groups_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: tor
                          v_lo: torch.Tensor, group_tables: torch.Tensor, row_maps: torch.Tensor, *,
                          sink: int | None = None, num_warps: int | None = None) -> None:
     """One plane's candidates: `encode_planes_triton` with them all at `plane` (nothing to
-    wait for), its arguments checked. `num_warps`: Triton's default when None
+    wait for), its arguments checked. `num_warps`: NUM_WARPS when None
     (bench/int4_prefill_sweep.py times others)."""
     _check(k_tail, v_tail, tables, plane, cells, positions, records, ready, table_offsets, k_codes, k_scale, k_lo,
            v_codes, v_scale, v_lo, group_tables, row_maps)
