@@ -62,6 +62,7 @@ from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_keys import PackedKV
 from specloop.kernels.packed_rows import NEVER  # seal of a group no query reads reconstructed (not encoded yet)
 from specloop.kernels.residual_encode import check_encode, encode_groups_reference, encode_planes_triton, new_sync
+from specloop.kernels.seals import seals as seal_lookup
 from specloop.flashloop.kv_residual.batch import ResidualUpdate
 
 
@@ -113,7 +114,8 @@ class PackedResiduals:
         self.sink = num_records
         self.pad_cell = num_cells  # holds no rows and no records: its candidates are never ready
         self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
-        self.encode_triton = torch.device(device).type == "cuda"  # the encoder's Triton launch (else its reference)
+        # the encoder's and the seal lookups' Triton launches (else their torch references)
+        self.encode_triton = torch.device(device).type == "cuda"
         self.encode_sync = new_sync(device)  # the encoder's plane-order counts (`encode_planes_triton`)
         # every layer's view, made once: a prefill layer call asks for it several times, and
         # its six slices cost host time at each (the tensors are never reassigned)
@@ -319,5 +321,8 @@ class PackedResiduals:
 
     def seals(self, cells: torch.Tensor, depth: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[M, ...] long: from which query position each token's K/V at plane `depth` (int or
-        [M]) reads reconstructed (the seal of the group of its deepest row at a plane <= depth)."""
-        return packed_rows.seals(self.seal, self.group_tables, self.row_maps, cells, depth, positions)
+        [M]) reads reconstructed (the seal of the group of its deepest row at a plane <= depth);
+        one Triton launch where the encoder takes Triton (`kernels.seals`), else its torch
+        reference."""
+        return seal_lookup(self.seal, self.group_tables, self.row_maps, cells, depth, positions,
+                           use_triton=self.encode_triton)
