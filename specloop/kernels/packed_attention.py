@@ -307,7 +307,8 @@ def packed_attention_triton(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch
     sealed groups go to the one-lane pass on CUDA cores, longer tiles' to the tensor-core
     one (each kernel skips the other's tiles on the device)."""
     rows = (cell, depth, position, table_offset)
-    _check(q, k_tail, v_tail, tables, packed, rows)
+    if q.shape[0] and (tiles is None or tiles.shape[0]):  # (a pass of prompt chunks alone reads nothing here)
+        _check(q, k_tail, v_tail, tables, packed, rows)
     tile_rows = _check_tiles(tiles, tile_rows)
     assert min_split_keys % max(block_n, packed_sealed.GROUP) == 0, "min_split_keys: a multiple of the key blocks"
     n, num_heads, head_dim = q.shape

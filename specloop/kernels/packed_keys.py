@@ -510,14 +510,17 @@ def _storage(k_tail, v_tail, tables, packed: PackedKV) -> tuple[torch.Tensor, ..
 def read_keys_triton(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int,
                      packed: PackedKV, cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor,
                      table_offset: torch.Tensor, keys: int, *, groups: bool = True, group_warps: int = 8,
-                     block_n: int = 32, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_n: int = 32, num_warps: int = 4, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention kernel's gather (`_key_block`), stored: K and V [N, keys, Hkv, D].
     `groups`: whole groups a row reads reconstructed from dense planes go to a lean pass of
     their own first (`_read_groups_kernel`); the gather kernel takes the rest, `block_n`
     keys a program. Defaults: the best of bench/int4_prefill_sweep.py on the H200 (K and V
-    in programs of their own, half the registers each, ran slower everywhere)."""
+    in programs of their own, half the registers each, ran slower everywhere). `check`
+    False skips the argument checks (about 40 us of Python), for a caller that checked the
+    same shapes at its pass's first layer."""
     rows = (cell, depth, position, table_offset)
-    _check(None, k_tail, v_tail, tables, packed, rows)
+    if check:
+        _check(None, k_tail, v_tail, tables, packed, rows)
     assert not groups or 64 % block_n == 0, "with the group pass, block_n divides 64"
     n = cell.shape[0]
     k_out = k_tail.new_empty(n, keys, *k_tail.shape[1:])
@@ -608,8 +611,11 @@ def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
 
 def read_keys(k_tail: torch.Tensor, v_tail: torch.Tensor, tables: torch.Tensor, page_size: int, packed: PackedKV,
               cell: torch.Tensor, depth: torch.Tensor, position: torch.Tensor, table_offset: torch.Tensor, keys: int,
-              use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              use_triton: bool | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [N, keys, Hkv, D] in the tails' dtype as each row reads them (key j <= its
-    position; zeros elsewhere)."""
-    fn = read_keys_triton if _use_triton(k_tail, use_triton) else read_keys_reference
-    return fn(k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset, keys)
+    position; zeros elsewhere). `check`: the Triton launch's argument checks (the
+    reference always checks)."""
+    if _use_triton(k_tail, use_triton):
+        return read_keys_triton(k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset,
+                                keys, check=check)
+    return read_keys_reference(k_tail, v_tail, tables, page_size, packed, cell, depth, position, table_offset, keys)

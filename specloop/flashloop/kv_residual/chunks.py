@@ -103,6 +103,7 @@ class ChunkBatch:
     seals: torch.Tensor  # int32: the chunks' seals end to end
     reach: torch.Tensor  # int32: their `seal_reach`, end to end
     launch: ChunkLaunch | None = None  # the two-source launch's tiles (Triton), built at the first layer
+    checked: bool = False  # the key read's arguments checked (at the first layer: the others' are alike)
 
 
 def chunk_batches(chunks: list[PromptChunk], reads: list[ChunkReads], limit: int | None = None) -> list[ChunkBatch]:
@@ -130,7 +131,8 @@ def attend_chunks(planes: Any, layer: int, q: torch.Tensor, out: torch.Tensor, k
     view = planes.layer_view(layer)
     for batch in batches:
         k_read, v_read = read_keys(k_tail, v_tail, tables, page_size, view, batch.cells, batch.depths, batch.last,
-                                   batch.table_offsets, batch.keys)
+                                   batch.table_offsets, batch.keys, check=not batch.checked)
+        batch.checked = True
         if q.is_cuda or _INTERPRET:
             if batch.launch is None:
                 tile_rows = tile_rows_for(q.shape[1], k_tail.shape[1])
