@@ -2,7 +2,9 @@
 
 Every Triton launch is compiled for sm_90 and not run (`tests/compile_only.py`, Triton 3.6
 on the path: setup in its docstring), the torch ops run on the CPU, and the INT4 encoder
-takes its Triton path as on CUDA. What it shows is the host side of a GPU prefill: Python,
+takes its Triton path as on CUDA. The INT4 launches whose results steer the run (the
+encoding plan, the seal lookups) are followed by their torch references, not counted, so
+the planes advance as on a GPU. What it shows is the host side of a GPU prefill: Python,
 launch binding and the small torch ops a pass makes. On the H200 an INT4 8K prefill idled
 the GPU 73% (docs/flashloop.md), so its launches bound it. Use a checkpoint with the real
 layer count and small matrices, so the CPU's matmuls stay small:
@@ -34,11 +36,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import compile_only  # noqa: E402,F401  -- patches Triton before the kernels are imported
 from triton.runtime.jit import JITFunction  # noqa: E402
+import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from specloop.engine.config import EngineConfig  # noqa: E402
 from specloop.engine.core import EngineCore  # noqa: E402
-from specloop.kernels import residual_encode  # noqa: E402
+from specloop.kernels import packed_rows, residual_encode, seals as seal_kernels  # noqa: E402
 from specloop.sampling_params import SamplingParams  # noqa: E402
 
 VARIANTS = {"dense": {}, "int4": {"kv_residual_quantization": {}}}
@@ -63,6 +66,8 @@ def main() -> None:
     store = getattr(engine.backend.kv, "planes", None)
     if store is not None:  # the INT4 encoder's Triton launch, as on CUDA
         store.encode_triton = True
+        _plan_as_on_cuda(store)
+        _seals_as_on_cuda()
 
     def serve(rid: str) -> tuple[float, int]:
         prompt = [3 + (i * 7) % (vocab - 3) for i in range(args.prompt)]
@@ -101,6 +106,43 @@ def main() -> None:
             print(f"  {n / calls:7.1f}  {caller}")
 
 
+def _plan_as_on_cuda(store) -> None:
+    """The INT4 encoding plan's Triton launch is compiled and counted, not run, but the
+    planes' state must advance as on a GPU (else no group ever encodes and the prefill takes
+    many more calls): after the launch, the torch path computes that state, its ops not
+    counted."""
+    triton_plan = type(store)._plan_encode_triton
+
+    def plan(plan, committed, first):
+        triton_plan(store, plan, committed, first)
+        with _OpsByCaller.paused():
+            store.encode_triton = False
+            try:
+                type(store).plan_encode(store, plan, committed, first)
+            finally:
+                store.encode_triton = True
+            counts = [c.numel() for c in plan.cells]
+            starts = tuple(sum(counts[:p]) for p in range(len(counts) + 1))
+            fields = (plan.cells, plan.positions, plan.records, plan.ready, plan.table_offsets)
+            plan.launch = (starts, *(torch.cat(f) for f in fields))
+        return plan
+
+    store._plan_encode_triton = plan
+
+
+def _seals_as_on_cuda() -> None:
+    """The seal lookups' launch is compiled and counted, not run; their values come from the
+    torch reference, not counted (release scans read them)."""
+    launch = seal_kernels.seals_triton
+
+    def lookup(seal, group_tables, row_maps, cells, depth, positions):
+        launch(seal, group_tables, row_maps, cells, depth, positions)
+        with _OpsByCaller.paused():
+            return packed_rows.seals(seal, group_tables, row_maps, cells, depth, positions)
+
+    seal_kernels.seals_triton = lookup
+
+
 class _OpsByCaller(TorchDispatchMode):
     """Counts the torch ops that compute (no views, no allocations) by their two innermost
     specloop callers outside the model's layers."""
@@ -111,9 +153,21 @@ class _OpsByCaller(TorchDispatchMode):
         super().__init__()
         self.count: collections.Counter = collections.Counter()
 
+    _paused = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def paused(cls):
+        """Ops run inside are not counted."""
+        cls._paused = True
+        try:
+            yield
+        finally:
+            cls._paused = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if not any(word in name for word in self.SKIP):
+        if not self._paused and not any(word in name for word in self.SKIP):
             frames = [f for f in traceback.extract_stack(limit=16)
                       if "/specloop/" in f.filename and not f.filename.endswith("model/layers.py")]
             key = " < ".join(f"{f.filename.split('/specloop/')[1]}:{f.name}" for f in frames[-2:][::-1])

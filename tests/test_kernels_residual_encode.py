@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from specloop.kernels.int4_groups import GROUP
+from specloop.kernels.packed_rows import NEVER
 from specloop.kernels.residual_encode import encode_groups
 from specloop.flashloop.kv_residual.planes import EncodePlan, PackedResiduals
 from tests.test_kv_residual import _schedule
@@ -87,16 +88,19 @@ def _kernel_encode(store: PackedResiduals, layer: int, plan: EncodePlan, k_tail:
 
 
 def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]], t: int, seed: int,
-         one_launch: bool = True) -> None:
+         one_launch: bool = True, policy: str = "serial") -> None:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     cells = len(keeps)
     has = [_rows(t, keep, gen) for keep in keeps]
     exact = [_exact(t, heads, dim, dtype, h, gen) for h in has]
     groups = -(-t // GROUP)
     stores = [PackedResiduals(LAYERS, cells * PLANES * groups + 2, cells + 1, PLANES, t, heads, dim, 64, dtype,
-                              torch.device(DEVICE)) for _ in range(3)]
+                              torch.device(DEVICE), policy) for _ in range(3)]
     torch_path, kernel, reference = stores
-    kernel.encode_triton = True  # `PackedResiduals.encode`'s launch on CPU too (the interpreter)
+    # the kernel store plans and encodes with its Triton launches (on CPU too: the interpreter);
+    # the others plan with the torch path (what the Triton plan must match), and encode with the
+    # torch path and with the module's reference
+    torch_path.encode_triton, kernel.encode_triton, reference.encode_triton = False, True, False
     cell_ids = [c + 1 for c in range(cells)]  # cell 0 stays unused
     records = list(range(torch_path.sink))
     rng.shuffle(records)
@@ -143,6 +147,9 @@ def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]
             cand.append(torch.tensor(pairs).view(-1, 2))
         valid = [torch.rand(len(c), generator=gen) < 0.85 for c in cand]
         committed = torch.tensor([t] + [rng.choice([t, t, rng.randrange(t)]) for _ in cell_ids])
+        # the execution policy's first query per (cell, plane): NEVER (no query) or anywhere up to t + 64
+        first = torch.tensor([[rng.choice([NEVER, rng.randrange(t + 64), t + 64, t + 64]) for _ in range(PLANES)]
+                              for _ in range(cells + 2)]) if policy == "execution" else None
         plans = []
         for store in stores:
             store.append(*(a.to(DEVICE) for a in row_args))
@@ -152,7 +159,12 @@ def _run(dim: int, heads: int, dtype: torch.dtype, keeps: list[tuple[float, ...]
                 table_offsets=[torch.tensor([offset(int(c), p) for c in cand[p][:, 0]], device=DEVICE)
                                for p in range(PLANES)],
                 valid=[v.to(DEVICE) for v in valid])
-            plans.append(store.plan_encode(plan, committed.to(DEVICE)))
+            plans.append(store.plan_encode(plan, committed.to(DEVICE), None if first is None else first.to(DEVICE)))
+        for p in range(PLANES):  # the Triton plan decides what the torch path decides
+            for field in ("ready", "records", "positions"):
+                _same(getattr(plans[1], field)[p], getattr(plans[0], field)[p], f"plan {field}, plane {p}")
+        _same(kernel.seal, torch_path.seal, "seals after the plan")
+        _same(kernel.encoded, torch_path.encoded, "encoded groups after the plan")
         before = [getattr(kernel, name).clone() for name in POOLS]
         for layer in range(LAYERS):
             torch_path.encode(layer, plans[0], tail[layer, 0], tail[layer, 1], tables, PAGE)
@@ -216,6 +228,12 @@ def test_kernel_encodes_what_the_torch_path_encodes(dim, heads, dtype):
 def test_fp16_and_rows_that_skip_planes():
     """fp16; a cell whose rows are not nested (a row at plane p without one at p - 1)."""
     _run(16, 2, torch.float16, [(1, 0.5, 0.5, 0.5), (-1, 0.8, 0.7, 0.9)], t=256, seed=7)
+
+
+def test_the_execution_policy():
+    """Groups seal at the pass's first query (`first`), committed or not: the Triton plan
+    decides what the torch path decides, and the encoder writes the same bytes."""
+    _run(16, 2, torch.bfloat16, [(1, 1, 1, 1), (1, 0.8, 0.6, 0.5)], t=256, seed=5, policy="execution")
 
 
 def test_a_launch_per_plane():

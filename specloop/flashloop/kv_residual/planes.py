@@ -62,6 +62,7 @@ from specloop.kernels.int4_groups import GROUP, KGroups, VGroups
 from specloop.kernels.packed_keys import PackedKV
 from specloop.kernels.packed_rows import NEVER  # seal of a group no query reads reconstructed (not encoded yet)
 from specloop.kernels.residual_encode import check_encode, encode_groups_reference, encode_planes_triton, new_sync
+from specloop.kernels.residual_plan import plan_groups
 from specloop.kernels.seals import seals as seal_lookup
 from specloop.flashloop.kv_residual.batch import ResidualUpdate
 
@@ -80,9 +81,10 @@ class EncodePlan:
     ready: list[torch.Tensor] = dataclasses.field(default_factory=list)
     records: list[torch.Tensor] = dataclasses.field(default_factory=list)
     positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    # (starts, cells, positions, records, ready, table_offsets) of every plane end to end, at the
-    # first Triton encode (`PackedResiduals.encode`): plane p's candidates are [starts[p], starts[p + 1])
+    # (starts, cells, positions, records, ready, table_offsets) of every plane end to end (the
+    # Triton plan's output, or built at the first Triton encode): plane p's are [starts[p], starts[p + 1])
     launch: tuple | None = None
+    checked: bool = False  # the encoder's launch checked (at the pass's first layer)
 
 
 class PackedResiduals:
@@ -233,8 +235,12 @@ class PackedResiduals:
         seals and advance `encoded`; fills plan.ready / records / positions.
         `committed` [cells] long: each cell's committed length (rows at positions >= it are
         candidates that may still be rejected). `first` [cells, P] long (execution policy):
-        the pass's first query position per (cell, plane), NEVER where it has none."""
-        plan.ready, plan.records, plan.positions, plan.launch = [], [], [], None
+        the pass's first query position per (cell, plane), NEVER where it has none. Where the
+        encoder takes Triton, one launch decides every plane (`residual_plan.plan_groups`) and
+        the plan's launch is its output, the per-plane fields views of it."""
+        if self.encode_triton:
+            return self._plan_encode_triton(plan, committed, first)
+        plan.ready, plan.records, plan.positions, plan.launch, plan.checked = [], [], [], None, False
         for p, (cells, groups) in enumerate(zip(plan.cells, plan.groups)):
             if cells.numel() == 0:  # a plane without candidates (a host-known size: no sync)
                 plan.ready.append(cells.bool())
@@ -270,6 +276,28 @@ class PackedResiduals:
             plan.positions.append(torch.where(ready[:, None], self.row_pos[record].long(), 0))
         return plan
 
+    def _plan_encode_triton(self, plan: EncodePlan, committed: torch.Tensor, first: torch.Tensor | None
+                            ) -> EncodePlan:
+        """`plan_encode` in one launch over every plane's candidates end to end."""
+        counts = [c.numel() for c in plan.cells]
+        starts = tuple(sum(counts[:p]) for p in range(len(counts) + 1))
+        cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+        cells, groups = cat(plan.cells), cat(plan.groups)
+        if plan.valid is None:
+            valid = torch.ones(starts[-1], dtype=torch.bool, device=cells.device)
+        else:
+            valid = cat(plan.valid)
+        assert self.policy == "serial" or first is not None, "the execution policy seals at the pass's first query"
+        ready, records, positions = plan_groups(
+            cells.long().contiguous(), groups.long().contiguous(), valid.contiguous(), starts, self.group_tables,
+            self.row_pos, self.encoded, self.rows, committed, None if first is None else first.contiguous(),
+            self.row_maps, self.seal, sink=self.sink, tail=self.tail, serial=self.policy == "serial")
+        cut = lambda x: [x[starts[p]:starts[p + 1]] for p in range(len(counts))]  # noqa: E731
+        plan.ready, plan.records, plan.positions = cut(ready), cut(records), cut(positions)
+        plan.launch = (starts, cells, positions, records, ready, cat(plan.table_offsets))
+        plan.checked = False
+        return plan
+
     def encode(self, layer: int, plan: EncodePlan, k_tail: torch.Tensor, v_tail: torch.Tensor,
                tables: torch.Tensor, page_size: int) -> None:
         """Write layer `layer` of the plan's ready groups from the exact values in the BF16
@@ -288,17 +316,16 @@ class PackedResiduals:
                                             plan.records[p], plan.ready[p], plan.table_offsets[p], *records,
                                             self.group_tables, self.row_maps, sink=self.sink)
             return
-        if plan.launch is None:  # the pass's first layer
-            with_cands = [p for p in range(len(plan.cells)) if plan.cells[p].numel()]
-            for p in with_cands:
-                check_encode(k_tail, v_tail, tables, p, plan.cells[p].contiguous(), plan.positions[p].contiguous(),
-                             plan.records[p].contiguous(), plan.ready[p].contiguous(),
-                             plan.table_offsets[p].contiguous(), *records, self.group_tables, self.row_maps)
+        if plan.launch is None:  # a plan from the torch path: every plane's fields end to end
             counts = [plan.cells[p].numel() for p in range(len(plan.cells))]
             starts = tuple(sum(counts[:p]) for p in range(len(counts) + 1))
             fields = (plan.cells, plan.positions, plan.records, plan.ready, plan.table_offsets)
-            plan.launch = (starts, *(torch.cat([f[p] for p in with_cands]) if with_cands else None for f in fields))
+            plan.launch = (starts, *(torch.cat(f) for f in fields))
         starts = plan.launch[0]
+        if not plan.checked and starts[-1]:  # the pass's first layer (the others' shapes are alike)
+            check_encode(k_tail, v_tail, tables, 0, *(x.contiguous() for x in plan.launch[1:]), *records,
+                         self.group_tables, self.row_maps)
+            plan.checked = True
         if starts[-1]:
             encode_planes_triton(k_tail, v_tail, tables, page_size, starts, *plan.launch[1:], *records,
                                  self.group_tables, self.row_maps, self.encode_sync, sink=self.sink)
