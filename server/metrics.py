@@ -220,6 +220,10 @@ class _EngineCollector(Collector):
                                 1.0 if self._engine.is_alive else 0.0)
         yield CounterMetricFamily("specloop_num_preemptions", "Running requests preempted (KV pages ran out).",
                                   s.num_preemptions)
+        yield CounterMetricFamily("specloop_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                  "at admission (enable_prefix_caching).", s.prefix_cache_queries)
+        yield CounterMetricFamily("specloop_prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                                  "rows are not computed at any depth).", s.prefix_cache_hits)
         yield CounterMetricFamily("specloop_prefill_rows_skipped", "Prompt token-loops that token-sparse prefill "
                                   "planned to leave out (the token keeps its previous state).",
                                   s.prefill_rows_skipped)
@@ -247,6 +251,10 @@ class _EngineCollector(Collector):
                 ("vllm:num_requests_waiting", GaugeMetricFamily, "Requests waiting to be computed.", s.waiting),
                 ("vllm:kv_cache_usage_perc", GaugeMetricFamily, "KV-cache usage; 1 means 100 percent.", s.kv_usage),
                 ("vllm:num_preemptions", CounterMetricFamily, "Cumulative number of preemptions.", s.num_preemptions),
+                ("vllm:prefix_cache_queries", CounterMetricFamily, "Prefix cache queries, in terms of number of "
+                 "queried tokens.", s.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", CounterMetricFamily, "Prefix cache hits, in terms of number of cached "
+                 "tokens.", s.prefix_cache_hits),
                 ("vllm:spec_decode_num_drafts", CounterMetricFamily, "Speculation rounds.", s.num_drafts),
                 ("vllm:spec_decode_num_draft_tokens", CounterMetricFamily, "Draft tokens.", s.num_draft_tokens),
                 ("vllm:spec_decode_num_accepted_tokens", CounterMetricFamily, "Accepted draft tokens.",

@@ -104,6 +104,8 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
     "preemption_mode": (str, "what preemption does to the latest-arrived running request when KV pages run out: "
                         "recompute (drop its KV, re-enter its prompt and tokens later) or swap (snapshot it to "
                         "host memory, restore it later)"),
+    "enable_prefix_caching": (bool, "share the KV of full prompt blocks between requests with the same prefix "
+                              "(dense KV only: not with --kv-residual-quantization or --token-sparse-prefill)"),
     "token_sparse_prefill": (str, "FlashLoop token-sparse prefill as a JSON object with enabled, window (prompt "
                              "tokens per selection window) and retention (per loop); '{}' switches it on with "
                              "the defaults"),

@@ -477,3 +477,92 @@ def test_add_restored_takes_pages_only_past_the_given_back_ones():
     assert kv.num_free_pages == 12 and sorted(kv.allocator.free_list()) == list(range(12))
     with pytest.raises(ValueError):
         kv.add_restored("s", 2, [3, 0, 0, 0])
+
+
+# ----- shared prefix pages (automatic prefix caching) -----
+
+
+def _cached_kv(num_pages: int, planes: int = 2, block_size: int = 4):
+    """A KV manager whose idle cached pages count as room (`KVManager.cache`)."""
+    from specloop.scheduling.prefix_cache import PrefixCache
+
+    kv = KVManager(planes, block_size, num_pages, page_bytes=1)
+    kv.cache = PrefixCache(kv.allocator, planes, block_size)
+    return kv, kv.cache
+
+
+def _publish_chain(kv: KVManager, cache, rid: str, blocks: int, tag: bytes) -> list[bytes]:
+    """`rid` covers `blocks` blocks and offers each to the cache; returns their (fake) hashes."""
+    kv.add_request(rid)
+    kv.ensure(rid, blocks * kv.block_size)
+    hashes = [tag + bytes([i]) * 31 for i in range(blocks)]
+    for i, h in enumerate(hashes):
+        assert cache.publish(h, tuple(kv.page_table(rid, p)[i] for p in range(kv.num_planes)),
+                             hashes[i - 1] if i else None)
+    return hashes
+
+
+def test_a_prefix_heads_every_plane_with_a_reference_of_its_own():
+    kv, cache = _cached_kv(12)
+    hashes = _publish_chain(kv, cache, "a", 2, b"a")
+    tables = [kv.page_table("a", p) for p in range(2)]
+    kv.free("a")  # the cache keeps the pages
+    assert kv.num_free_pages == 8 and all(kv.allocator.refcount(p) == 1 for t in tables for p in t)
+    kv.add_request("b", prefix=cache.lookup(hashes))
+    assert [kv.page_table("b", p) for p in range(2)] == tables
+    assert [kv.frontier("b", p) for p in range(2)] == [8, 8] and kv.coverage("b") == 8
+    assert all(kv.allocator.refcount(p) == 2 for t in tables for p in t)
+    kv.ensure("b", 10)  # one page a plane past the prefix, from the free list
+    assert kv.held_pages("b") == 6 and kv.num_free_pages == 6
+    own = [kv.page_table("b", p)[2] for p in range(2)]
+    assert kv.free("b") == own and kv.num_free_pages == 8  # the shared pages stay with the cache
+    assert all(kv.allocator.refcount(p) == 1 for t in tables for p in t)
+    cache.check()
+
+
+def test_a_failed_admission_with_a_prefix_changes_nothing():
+    kv, cache = _cached_kv(8)
+    hashes = _publish_chain(kv, cache, "a", 2, b"a")  # a holds 4 pages (and the cache its references)
+    prefix = cache.lookup(hashes)
+    with pytest.raises(OutOfPages):  # 5 pages a plane reserved, the first shared: 8 new > 4 free
+        kv.add_request("b", reserve_tokens=4 * 5, prefix=prefix[:1])
+    assert "b" not in kv.requests() and all(kv.allocator.refcount(p) == 2 for b in prefix for p in b)
+    with pytest.raises(ValueError):
+        kv.add_request("b", prefix=[(0,)])  # one page per plane
+    assert "b" not in kv.requests()
+
+
+def test_reservations_and_growth_evict_idle_blocks_before_running_out():
+    """Idle cached pages are room: a reservation or a table that outgrows the free pages
+    evicts them (least recently used leaf first), keeping free >= reserved; pages a request
+    holds are never evicted."""
+    kv, cache = _cached_kv(12)
+    old = _publish_chain(kv, cache, "a", 2, b"a")
+    kv.free("a")
+    new = _publish_chain(kv, cache, "b", 2, b"b")
+    kv.free("b")
+    assert kv.num_free_pages == 4 and cache.num_cached_blocks == 4
+    assert kv.can_admit(4 * 3) and not kv.can_admit(4 * 7)  # 4 free + 8 evictable
+    kv.add_request("c", reserve_tokens=4 * 3)  # 6 pages reserved: one block (a's last) goes
+    assert kv.num_reserved_pages == 6 <= kv.num_free_pages == 6
+    assert old[1] not in cache and old[0] in cache and all(h in cache for h in new)
+    kv.add_request("d", prefix=cache.lookup(new))  # d holds b's blocks: they can no longer go
+    assert kv.can_ensure("c", 4 * 4) and not kv.can_ensure("c", 4 * 5)
+    kv.ensure("c", 4 * 4)  # 8 pages: 6 reserved, 2 from a's first block
+    assert cache.num_cached_blocks == 2 and kv.num_free_pages == 0 and kv.num_reserved_pages == 0
+    with pytest.raises(OutOfPages):
+        kv.ensure("d", 4 * 3)
+    cache.check()
+
+
+def test_truncate_never_drops_a_shared_page():
+    kv, cache = _cached_kv(12)
+    hashes = _publish_chain(kv, cache, "a", 2, b"a")
+    kv.free("a")
+    kv.add_request("b", prefix=cache.lookup(hashes))
+    kv.ensure("b", 12)
+    tables = [kv.page_table("b", p) for p in range(2)]
+    with pytest.raises(ValueError, match="shared"):
+        kv.truncate("b", 3)
+    assert [kv.page_table("b", p) for p in range(2)] == tables and kv.frontier("b", 0) == 8
+    assert kv.truncate("b", 8) == [tables[0][2], tables[1][2]]  # past the prefix: its own pages

@@ -231,6 +231,19 @@ def test_evict_frees_as_many_as_it_can():
     cache.check()
 
 
+def test_can_evict_answers_without_evicting_and_honours_pinned_blocks():
+    cache = _cache(num_pages=16)
+    hashes, blocks = _write(cache, [1, 1, 2, 2, 3, 3])
+    _release(cache, blocks)
+    assert cache.cached_prefix(hashes) == 3 and cache.cached_prefix([bytes(32)] + hashes) == 0
+    assert cache.stats() == {"prefix_cache_queries": 0, "prefix_cache_hits": 0}  # asking counts nothing
+    assert cache.can_evict(6) and not cache.can_evict(7)
+    assert cache.can_evict(2, pinned=hashes[:2]) and not cache.can_evict(3, pinned=hashes[:2])
+    assert not cache.can_evict(1, pinned=hashes)
+    assert cache.num_cached_blocks == 3 and cache.allocator.num_free == 10
+    cache.check()
+
+
 def test_clear_drops_every_idle_block_and_keeps_those_in_use():
     cache = _cache(num_pages=20)
     hashes, blocks = _write(cache, [1, 1, 2, 2, 3, 3])
@@ -300,6 +313,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 break
             victims.append(candidates[0])
         refcounts = {p: self.alloc.refcount(p) for h in victims for p in self.cached[h][0]}
+        assert self.cache.can_evict(num_pages) == (len(victims) * PLANES >= num_pages)  # the same walk, dry
         freed = self.cache.evict(num_pages)
         assert freed == [p for h in victims for p in self.cached[h][0]]
         assert all(count == 1 for count in refcounts.values())  # only the cache held them
@@ -318,12 +332,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         tokens = prefix + suffix
         hashes = block_hashes(tokens, BLOCK, salt)
         lookable = hashes[:max(0, len(tokens) - 1) // BLOCK]  # the last prompt token is recomputed
-        hits = self.cache.lookup(lookable)
         expected = []
         for h in lookable:
             if h not in self.cached:
                 break
             expected.append(self.cached[h][0])
+        assert self.cache.cached_prefix(lookable) == len(expected)  # asked first, nothing counted
+        hits = self.cache.lookup(lookable)
         assert hits == expected  # never an evicted block
         self.queries += len(lookable)
         self.hits += len(hits)

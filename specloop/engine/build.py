@@ -39,6 +39,7 @@ from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.runner import Runner
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.scheduling.kv_manager import KVManager
+from specloop.scheduling.prefix_cache import PrefixCache, identity_salt
 from specloop.scheduling.request import Request
 from specloop.scheduling.scheduler import Scheduler
 
@@ -101,10 +102,14 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
         f.attach_kv(kv, num_pages, budget.total)
     prompts = [p for p in (f.prompts() for f in features) if p is not None]
     assert len(prompts) <= 1, "one feature plans prompts"
+    prefix_cache, salt = None, ""
+    if config.enable_prefix_caching:  # (EngineConfig refuses it with INT4 residuals and token-sparse prefill)
+        prefix_cache = kv.cache = PrefixCache(kv.allocator, mcfg.num_loops, config.block_size)
+        salt = identity_salt(prefix_identity(config, model, backend_name(config.attention_backend, device), threshold))
     scheduler = Scheduler(kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,
                           adaptive_exit=threshold < 1.0, speculation=speculation,
                           preemption_mode=config.preemption_mode, prompts=prompts[0] if prompts else None,
-                          decode_slots=decode_slots)
+                          decode_slots=decode_slots, prefix_cache=prefix_cache, prefix_salt=salt)
     scheduler.swap_out, scheduler.swap_in = swap_out, swap_in
     # One page past the KV manager's: the sink padding rows of a CUDA graph write.
     shape = (mcfg.num_hidden_layers, num_pages + 1, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim,
@@ -170,6 +175,25 @@ def fingerprint(config: EngineConfig, model: OuroModel, kv_format: str, threshol
         "kv_residual_quantization": {k: v for k, v in group_summary(config.kv_residual_quantization).items()
                                      if k != "tail_share"},
         "sparse_decode_attention": group_summary(config.sparse_decode_attention),
+    }
+
+
+def prefix_identity(config: EngineConfig, model: OuroModel, backend: str, threshold: float) -> dict[str, Any]:
+    """The prefix cache's identity (`identity_salt`): what a prompt block's KV depends on
+    besides its tokens, so that differently configured engines never share a block: the
+    model (as named and its shape), dtype, attention backend (kernels round differently),
+    page size, loops, the exit threshold in force, and the effective FlashLoop groups."""
+    return {
+        "model": str(config.model),
+        "model_config": model.config.to_hf_dict(),
+        "dtype": str(model.dtype),
+        "attention_backend": backend,
+        "block_size": config.block_size,
+        "num_loops": model.config.num_loops,
+        "exit_threshold": float(threshold),
+        "token_sparse_prefill": group_summary(config.token_sparse_prefill),
+        "sparse_decode_attention": group_summary(config.sparse_decode_attention),
+        "kv_residual_quantization": group_summary(config.kv_residual_quantization),
     }
 
 

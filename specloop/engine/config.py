@@ -43,6 +43,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
     preemption_mode: str = "recompute"  # KV pages ran out: recompute (re-enter its tokens) | swap (snapshot to host)
+    enable_prefix_caching: bool = False  # share full prompt blocks' KV between requests (dense KV only; off until
+    # measured on the GPU)
     # FlashLoop groups (off by default): a dict, a JSON object string or the group's dataclass.
     token_sparse_prefill: TokenSparsePrefill = dataclasses.field(default_factory=TokenSparsePrefill)
     sparse_decode_attention: SparseDecodeAttention = dataclasses.field(default_factory=SparseDecodeAttention)
@@ -80,6 +82,22 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device.split(":")[0] in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        self._check_prefix_caching()
+
+    def _check_prefix_caching(self) -> None:
+        """Prefix caching shares dense prompt blocks; the KV formats and plans that change
+        what a block holds are not supported with it yet."""
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not self.enable_prefix_caching:
+            return
+        if self.kv_residual_quantization.enabled:
+            raise ConfigError("enable_prefix_caching does not work with kv_residual_quantization yet (INT4 residual "
+                              "records are not shared between requests); turn one of them off")
+        if self.token_sparse_prefill.enabled:
+            raise ConfigError("enable_prefix_caching does not work with token_sparse_prefill yet (a window's selection "
+                              "depends on every token of the window, so its blocks are not reusable alone); turn one "
+                              "of them off")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

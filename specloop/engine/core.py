@@ -74,6 +74,9 @@ class EngineStats:
     iteration_tokens: tuple[tuple[float, int], ...] = ()  # tokens entering the loops per submitted plan:
     # (upper bound, plans with at most that many) per bucket, the last bound inf
     iteration_tokens_sum: int = 0
+    prefix_cache_queries: int = 0  # prompt positions admission looked up in the prefix cache (a re-admission after
+    # preemption counts again; 0 with enable_prefix_caching off)
+    prefix_cache_hits: int = 0  # of those, positions found cached (their rows are not computed)
 
 
 class EngineCore:
@@ -311,7 +314,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         m = self.metrics
         records, held = self.kv.records, set(self.kv.requests())
-        features = {k: v for f in [self.scheduler.prompts, *self.features] for k, v in f.stats().items()}
+        cache = self.scheduler.prefix_cache
+        parts = [self.scheduler.prompts, *self.features, *([cache] if cache is not None else [])]
+        features = {k: v for f in parts for k, v in f.stats().items()}
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
                            self.kv.total_bytes_used, self.kv.num_pages, m.num_drafts, m.num_draft_tokens,
                            m.num_accepted_tokens, tuple(m.accepted_per_position), self.scheduler.num_preemptions,

@@ -304,7 +304,7 @@ class KVPagesPart:
     def check(self, data: dict[str, Any]) -> None:
         kv, kvm = data["kv"], self.kv
         pages = sum(kv["pages_per_plane"] - r for r in kv["released"])
-        if pages > kvm.num_available_pages:
+        if not kvm.can_take(pages):  # (free pages, or idle prefix-cache pages it may evict)
             raise SnapshotError(f"restoring {data['request']['request_id']!r} needs {pages} KV pages; "
                                 f"{kvm.num_available_pages} are free")
 

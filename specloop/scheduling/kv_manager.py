@@ -25,16 +25,23 @@ Invariants (checked after every operation by tests/test_kv_manager.py):
    `ensure` regrows with fresh pages (inside the kept reservation first).
 5. An operation on one request never reads or changes another request's pages.
 
-Nothing shares pages yet. When prefix reuse does (`PageAllocator.incref`), invariant 3
-needs care: dropping a shared page frees no storage, so a reservation must not count a
-shared page as one it can re-allocate for free.
+Sharing (automatic prefix caching, `prefix_cache.py`): a request may start with cached
+blocks at the head of its tables (`add_request(prefix=...)`, one reference of its own on
+each page) and publishes its own full prompt blocks, so a page may be held by several
+requests and by the cache. Invariant 2 then holds per reference, and invariant 3 needs
+care: dropping a shared page frees no storage, so a reservation must not count a shared
+page as one it can re-allocate for free. Two rules keep it: `truncate` never drops a page
+someone else holds (rollbacks stay past the prompt, whose blocks are the only shared
+ones), and every check of room counts only free pages plus what the cache can evict
+(`PageCache`), never a held page; the cache's idle pages become free (`evict`) before a
+reservation or an allocation counts on them.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from specloop.errors import SpecloopError
@@ -130,6 +137,18 @@ class PageAllocator:
                 )
 
 
+class PageCache(Protocol):
+    """Pages held only by a cache that gives them back on demand (the prefix cache's idle
+    blocks): the KV manager counts them as room and evicts them when the free list falls
+    short, before it refuses an allocation (`OutOfPages`)."""
+
+    def can_evict(self, num_pages: int) -> bool:
+        """Whether `evict(num_pages)` would free that many pages (changes nothing)."""
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Free at least `num_pages` pages if it can; returns the pages freed."""
+
+
 class RecordPool(Protocol):
     """A second pool whose holdings follow the positions a request's pages cover (a packed
     KV format's group records: `specloop.flashloop.kv_residual`): the KV manager takes and
@@ -223,6 +242,9 @@ class KVManager:
         self.prompt_pages = num_pages
         self._aheads_for: dict[int, int] = {}
         self.sink_page = num_pages  # the page the KV storage keeps past the pool (written by padding rows, never read)
+        # Automatic prefix caching (set by the composition root): the cache whose idle pages
+        # count as room and are evicted when the free list falls short; None: no cache.
+        self.cache: PageCache | None = None
 
     # ----- capacity -----
 
@@ -265,7 +287,22 @@ class KVManager:
         return used + (self.records.total_bytes_used if self.records is not None else 0)
 
     def can_admit(self, reserve_tokens: int) -> bool:
-        return self.pages_for(reserve_tokens) <= self.num_available_pages
+        return self.can_take(self.pages_for(reserve_tokens))
+
+    def can_take(self, num_pages: int) -> bool:
+        """Whether `num_pages` more pages can be promised or allocated beyond every
+        reservation: from the free pages nobody has a claim on, and, when those fall short,
+        from what the cache can evict (asked only then)."""
+        short = num_pages - self.num_available_pages
+        return short <= 0 or (self.cache is not None and self.cache.can_evict(short))
+
+    def _reclaim(self, num_pages: int) -> None:
+        """Make the unclaimed free pages number at least `num_pages` by evicting cached ones
+        (the caller checked `can_take`)."""
+        short = num_pages - self.num_available_pages
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        assert num_pages <= self.num_available_pages, "can_take promised these pages"
 
     @property
     def releases_tails(self) -> bool:
@@ -327,20 +364,33 @@ class KVManager:
     def requests(self) -> list[str]:
         return list(self._requests)
 
-    def add_request(self, rid: str, reserve_tokens: int = 0, prompt_len: int = 0) -> None:
+    def add_request(self, rid: str, reserve_tokens: int = 0, prompt_len: int = 0,
+                    prefix: Sequence[Sequence[int]] = ()) -> None:
         """Admit `rid`, reserving pages for `reserve_tokens` positions in every plane (0: none,
         admission by need). `prompt_len` sizes INT4 residual records of token-sparse planes
-        (0: every plane as dense)."""
+        (0: every plane as dense). `prefix`: cached blocks (one page per plane each, written
+        at every plane) that become the head of its tables, with a reference of its own on
+        each page; every plane's frontier starts past them. All or nothing."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already has KV state")
+        if any(len(block) != self.num_planes for block in prefix):
+            raise ValueError(f"a prefix block is one page per plane ({self.num_planes}), got {list(prefix)}")
+        if prefix and self.records is not None:
+            raise ValueError("shared prefix pages need a KV format without group records")
+        shared = [page for block in prefix for page in block]
+        self.allocator.incref(shared)  # first: the cache cannot evict them for this request's own pages
         needed = self.pages_for(reserve_tokens)
-        if needed > self.num_available_pages:
+        outstanding = max(0, needed - len(shared))
+        if not self.can_take(outstanding):
+            self.allocator.decref(shared)
             raise OutOfPages(
-                f"request {rid!r} needs {needed} KV pages but only {self.num_available_pages} are unreserved."
+                f"request {rid!r} needs {outstanding} KV pages but only {self.num_available_pages} are unreserved."
             )
-        planes = range(self.num_planes)
-        self._requests[rid] = _RequestKV(needed, [[] for _ in planes], [0 for _ in planes], [0 for _ in planes])
-        self._outstanding += needed
+        self._reclaim(outstanding)
+        tables = [[block[plane] for block in prefix] for plane in range(self.num_planes)]
+        covered = len(prefix) * self.block_size
+        self._requests[rid] = _RequestKV(needed, tables, [covered] * self.num_planes, [0] * self.num_planes)
+        self._outstanding += outstanding
         if self.records is not None:
             self.records.add(rid, prompt_len)
 
@@ -355,7 +405,7 @@ class KVManager:
             raise ValueError(f"released {released} must give 0..{pages_per_plane} pages for each of "
                              f"{self.num_planes} planes")
         need = sum(pages_per_plane - r for r in released)
-        if need > self.num_available_pages:
+        if not self.can_take(need):
             raise OutOfPages(f"request {rid!r} needs {need} KV pages but only {self.num_available_pages} "
                              f"are unreserved.")
         covered = pages_per_plane * self.block_size
@@ -364,6 +414,7 @@ class KVManager:
         self.add_request(rid, 0, prompt_len)
         if self.records is not None:
             self.records.ensure(rid, covered)
+        self._reclaim(need)
         pages = iter(self.allocator.allocate(need))
         req = self._requests[rid]
         req.tables = [[self.sink_page] * r + [next(pages) for _ in range(pages_per_plane - r)] for r in released]
@@ -375,16 +426,17 @@ class KVManager:
 
     def can_ensure(self, rid: str, num_tokens: int) -> bool:
         """Whether `ensure(rid, num_tokens)` would succeed: its reservation plus the free pages
-        nobody has a claim on cover the growth."""
+        nobody has a claim on (and what the cache can evict) cover the growth."""
         if self.records is not None and self.records.records_for(rid, num_tokens) > self.records.num_free:
             return False
-        return self.pages_to_cover(rid, num_tokens) <= self._get(rid).outstanding_pages + self.num_available_pages
+        return self.can_take(self.pages_to_cover(rid, num_tokens) - self._get(rid).outstanding_pages)
 
     def ensure(self, rid: str, num_tokens: int) -> None:
         """Grow every plane's table to cover positions [0, num_tokens); never shrinks.
 
-        Draws on the request's reservation first, then on unclaimed free pages; raises
-        `OutOfPages` (changing nothing) when those do not cover the growth."""
+        Draws on the request's reservation first, then on unclaimed free pages, evicting
+        cached pages when those fall short; raises `OutOfPages` (changing nothing) when
+        nothing covers the growth."""
         req = self._get(rid)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -395,6 +447,7 @@ class KVManager:
             raise OutOfPages(f"request {rid!r}: covering {num_tokens} positions needs {grow * self.num_planes} more "
                              f"KV pages; {req.outstanding_pages} reserved and {self.num_available_pages} unclaimed")
         before = req.outstanding_pages
+        self._reclaim(grow * self.num_planes - before)
         if self.records is not None:
             self.records.ensure(rid, (req.pages_per_plane + grow) * self.block_size)
         pages = self.allocator.allocate(grow * self.num_planes)
@@ -407,15 +460,20 @@ class KVManager:
 
         Pages wholly at or beyond the new frontier leave every plane's table and go back
         to the pool (returned, plane by plane, in table order); the reservation is kept so
-        the request can regrow.
+        the request can regrow. A page someone else holds too (a cached block) is never
+        dropped: that raises ValueError, changing nothing.
         """
         req = self._get(rid)
         if frontier < 0:
             raise ValueError(f"frontier must be >= 0, got {frontier}")
-        req.frontiers = [min(frontier, f) for f in req.frontiers]
         keep = _ceil_div(frontier, self.block_size)
-        before = req.outstanding_pages
         dropped = [page for table, r in zip(req.tables, req.released) for page in table[max(keep, r):]]
+        shared = [page for page in dropped if self.allocator.refcount(page) > 1]
+        if shared:  # (a rollback stays past the prompt; only prompt blocks are shared)
+            raise ValueError(f"request {rid!r}: truncating to {frontier} would drop pages {shared} that are "
+                             f"shared (prefix cache): dropping them frees nothing the reservation could reuse")
+        req.frontiers = [min(frontier, f) for f in req.frontiers]
+        before = req.outstanding_pages
         req.released = [min(r, keep) for r in req.released]
         for table in req.tables:
             del table[keep:]

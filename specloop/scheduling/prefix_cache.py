@@ -36,27 +36,32 @@ they are the last to go, as in vLLM's free queue); hits are marked deepest first
 walk from the old end meets a chain's later blocks before its earlier ones and rarely
 passes over a parent.
 
-Integration (not done here) will need:
+Integration (`Scheduler`, `KVManager`; the engine option `enable_prefix_caching`):
 - the scheduler computes a request's hashes once, looks up
-  `hashes[:(len(prompt) - 1) // block_size]` (the last prompt token is always
+  `hashes[:(num_host_tokens - 1) // block_size]` (the last host token is always
   recomputed: its final hidden state feeds the head), puts the hit pages at the head of
-  every plane's table, takes its references (`acquire`) and starts every depth's
-  frontier past them: cached blocks are skipped at every depth, not only at depth 0;
-- a request publishes block i (`publish(hashes[i], pages, hashes[i - 1] if i else None)`) once
-  every plane and layer of it is written and committed (never speculative rows);
-- admission counts `num_evictable_pages` as available only when the free list falls
-  short, and `evict` runs before `OutOfPages`; reservations must not count a shared
-  page as one they can re-allocate (kv_manager's note on invariant 3);
+  every plane's table with references of the request's own (`KVManager.add_request(prefix=
+  ...)`, the increfs `acquire` makes) and starts every depth's frontier past them: cached
+  blocks are skipped at every depth, not only at depth 0;
+- a request publishes block i (`publish(hashes[i], pages, hashes[i - 1] if i else None)`)
+  once the ticket of the plan whose group finished it at the last depth has completed:
+  every plane and layer of it is written then, and prompt rows are never rolled back;
+- admission and `KVManager.ensure` count what the cache can evict (`can_evict`, which
+  takes the admitted request's own hits as pinned) only when the free list falls short,
+  and `evict` runs before `OutOfPages` or a preemption; `KVManager.truncate` refuses to
+  drop a shared page, so a reservation never counts one as re-allocatable (kv_manager's
+  note on invariant 3);
 - INT4 residual records (`kv_residual_quantization`: planes release their leading pages,
   records follow groups) and token-sparse prefill windows (a window's selection depends
   on every token of the window, so a block is reusable at the sparse depths only when its
-  whole window is) are later concerns; until then caching stays off when either is
-  enabled (a salt keeps identities apart, it does not make those blocks reusable).
+  whole window is) are later concerns; until then `EngineConfig` refuses caching with
+  either (a salt keeps identities apart, it does not make those blocks reusable).
 
 Costs: `lookup`, `touch`, `publish` and `acquire` are O(blocks touched). `evict` walks
 the recency order from its old end and stops once it has freed enough: O(blocks freed +
 older blocks passed over because they are in use or still have children).
-`num_evictable_pages` and `check` scan every cached block. Nothing here imports torch.
+`can_evict` is the same walk without dropping anything. `num_evictable_pages` and
+`check` scan every cached block. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -183,6 +188,16 @@ class PrefixCache:
                 block_hash = self._blocks[block_hash].parent
         return (len(self._blocks) - len(pinned)) * self.num_planes
 
+    def cached_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading `hashes` are cached: what `lookup` would hit, without counting a
+        query or changing recency (admission asks before it knows the request fits)."""
+        hits = 0
+        for block_hash in hashes:
+            if block_hash not in self._blocks:
+                break
+            hits += 1
+        return hits
+
     def stats(self) -> dict[str, int]:
         """Counters in tokens, as vLLM reports them: positions looked up and positions hit."""
         return {"prefix_cache_queries": self.query_blocks * self.block_size,
@@ -250,6 +265,16 @@ class PrefixCache:
         """Free at least `num_pages` pages, or as many as eviction can, by dropping idle
         leaves least recently used first (a parent as soon as its last child went, if it is
         older than where the walk has got to); returns the freed pages, block by block."""
+        return self._drop(self._victims(num_pages, frozenset()))
+
+    def can_evict(self, num_pages: int, pinned: Iterable[bytes] = ()) -> bool:
+        """Whether `evict(num_pages)` would free that many pages, counting the blocks of
+        `pinned` as in use (a chain a request is about to acquire); changes nothing. The
+        same walk as `evict`'s, so it stops as soon as it has found enough."""
+        return len(self._victims(num_pages, frozenset(pinned))) * self.num_planes >= num_pages
+
+    def _victims(self, num_pages: int, pinned: frozenset[bytes]) -> list[bytes]:
+        """The blocks `evict` drops, children before parents (`pinned`: taken as in use)."""
         victims: list[bytes] = []
         gone: collections.Counter[bytes] = collections.Counter()  # children among the victims
 
@@ -257,14 +282,14 @@ class PrefixCache:
             return len(victims) * self.num_planes >= num_pages
 
         def take(block_hash: bytes, block: _Block) -> bool:
-            if block.children - gone[block_hash] or not self._idle(block):
+            if block.children - gone[block_hash] or block_hash in pinned or not self._idle(block):
                 return False
             victims.append(block_hash)
             if block.parent is not None:
                 gone[block.parent] += 1
             return True
 
-        for block_hash in self._recency:  # read-only walk; the victims are dropped after it
+        for block_hash in self._recency:  # read-only walk; the caller drops the victims after it
             if enough():
                 break
             block = self._blocks[block_hash]
@@ -276,7 +301,7 @@ class PrefixCache:
                 if above.tick > block.tick or not take(parent, above):
                     break
                 parent = above.parent
-        return self._drop(victims)
+        return victims
 
     def clear(self) -> list[int]:
         """Drop every block that eviction can (when weights or configuration change; blocks

@@ -83,6 +83,11 @@ class Request:
     resume_token: int | None = None
     num_preemptions: int = 0
     swapped: Any = None  # after a swap preemption: its snapshot in host memory, restored at admission
+    # Automatic prefix caching: the chained hashes of its prompt's full blocks (computed once,
+    # at its first admission with a cache), and how many leading ones its current residency
+    # need not offer the cache (hits at admission, then each one offered as it completes).
+    block_hashes: list[bytes] | None = None
+    published_blocks: int = 0
     queue_time: float | None = None  # seconds from its add until it was first admitted (set by the engine)
     # Committed state:
     output_ids: list[int] = dataclasses.field(default_factory=list)

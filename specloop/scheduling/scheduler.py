@@ -26,6 +26,19 @@ once its last ticket completed the engine snapshots it to host memory and frees 
 storage, `swap_out`, and restores it at admission, `swap_in`), so preempted requests
 resume before new admissions. Growing there, before any controller plans, keeps planning free
 of page failures: `build_group` only draws on pages already covered.
+
+Automatic prefix caching (`prefix_cache`, dense KV only): a request's prompt is cut into
+full blocks named by chained hashes, computed once (`Request.block_hashes`). At admission
+the cached leading blocks, up to the one before the block holding its last host token
+(that token's final hidden state feeds the head, so it is always computed), become the head
+of every plane's table and every plane's frontier starts past them: cached blocks are
+skipped at every depth. Their pages are shared, not taken, and cannot be evicted to make
+room for the rest of the request; otherwise the cache's idle pages count as room and are
+evicted, least recently used first, before anyone is refused or preempted (`KVManager`).
+A request offers each full prompt block of its own to the cache once the plan whose group
+finishes it at the last depth has completed (`_completed_blocks`): at that ticket's
+`ticket_done`, every plane and layer of the block is on the device (see `_completed_blocks`
+for why then). A request restored from a snapshot holds fresh pages and offers none.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from collections.abc import Callable
 from specloop.scheduling.controller import Commit, Controller
 from specloop.scheduling.kv_manager import KVManager
 from specloop.plan import Head, Plan, ReleaseScan, RowGroup, SparseWindow
+from specloop.scheduling.prefix_cache import PrefixCache, block_hashes
 from specloop.scheduling.prompts import DensePrompts, PromptPlanning
 from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
@@ -108,12 +122,14 @@ class Scheduler:
     def __init__(
         self, kv: KVManager, num_loops: int, max_rows: int, max_seqs: int, num_token_slots: int,
         adaptive_exit: bool, speculation: Controller | None = None, preemption_mode: str = "recompute",
-        prompts: PromptPlanning | None = None, decode_slots: int = 0,
+        prompts: PromptPlanning | None = None, decode_slots: int = 0, prefix_cache: PrefixCache | None = None,
+        prefix_salt: str = "",
     ) -> None:
         """`prompts`: how prompt positions are planned (default `DensePrompts`; token-sparse
         prefill plans windows); `decode_slots`: the token-slot sub-pool generated tokens take
         (sparse decode attention's reference rooms, `TokenSlotPool`); 0: one pool for every
-        token."""
+        token; `prefix_cache`: automatic prefix caching over `kv`'s pages (None: off), whose
+        block hashes are salted with `prefix_salt`, the engine's cache identity."""
         self.kv = kv
         self.num_loops = num_loops
         self.max_rows = max_rows
@@ -134,6 +150,8 @@ class Scheduler:
         self.swap_out: Callable[[Request], None] | None = None
         self.swap_in: Callable[[Request], bool] | None = None
         self._swapping: dict[int, int] = {}  # arrival -> pages of requests being swapped out
+        self.prefix_cache = prefix_cache
+        self.prefix_salt = prefix_salt
         self.token_slots = TokenSlotPool(num_token_slots, decode_slots)
         self.cells = CellPool(max_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -221,7 +239,7 @@ class Scheduler:
             req.replay, req.resume_token = list(committed), None
         req.num_tokens, req.produced = req.num_host_tokens, len(committed)
         req.speculating, req.round, req.token_slots, req.cell = False, None, {}, -1
-        req.window_rows = {}
+        req.window_rows, req.published_blocks = {}, 0  # its next residency looks the prefix up again
         req.num_preemptions += 1
         req.incarnation = new_incarnation()
         req.status = Status.WAITING
@@ -238,16 +256,26 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- planning -------------------------------------------------------------------
-    def _can_admit(self, req: Request) -> bool:
+    def _can_admit(self, req: Request, hits: list[bytes]) -> bool:
+        """`hits`: the hashes of the request's leading blocks the prefix cache holds; their
+        pages are shared, not taken, and may not be evicted to make room for the rest."""
+        shared = len(hits) * self.kv.num_planes
         if self.reserve_max_tokens:
-            return self.kv.can_admit(req.reserve_tokens)
+            return self._room(self.kv.pages_for(req.reserve_tokens) - shared, hits)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
         if self.kv.releases_tails:
             return self._prompt_fits(req, spare)
         tokens = min(self._prompt_cover(req, req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
         if not self.kv.records_free_for(tokens, len(req.prompt_ids)):
             return False
-        return self.kv.pages_for(tokens) + spare <= self.kv.num_available_pages
+        return self._room(self.kv.pages_for(tokens) - shared + spare, hits)
+
+    def _room(self, pages: int, pinned: list[bytes]) -> bool:
+        """Whether `pages` more pages can be taken beyond every reservation: free ones, then
+        (asked only when those fall short) ones the prefix cache can evict, the blocks of
+        `pinned` excepted."""
+        short = pages - self.kv.num_available_pages
+        return short <= 0 or (self.prefix_cache is not None and self.prefix_cache.can_evict(short, pinned))
 
     def _prompt_fits(self, req: Request, spare: int) -> bool:
         """With a KV format whose prompts grow a plan at a time (INT4 residuals): admit only
@@ -276,16 +304,76 @@ class Scheduler:
                     return admitted
                 admitted.append(self.running[-1])  # the restored request
                 continue
-            if not self._can_admit(req):
+            lookup = self._lookup_hashes(req)
+            hits = lookup[:self.prefix_cache.cached_prefix(lookup)] if lookup else []
+            if not self._can_admit(req, hits):
                 return admitted  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0, len(req.prompt_ids))
+            prefix = self.prefix_cache.lookup(lookup) if lookup else []  # the hits: counted, marked recent
+            assert len(prefix) == len(hits), "nothing changed the cache since it was asked"
+            self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0, len(req.prompt_ids),
+                                prefix=prefix)
+            req.published_blocks = len(prefix)
             self.kv.ensure(req.kv_key, self._prompt_cover(req, req.num_host_tokens))  # the prompt's pages, now
             req.cell = self.cells.take()
             req.status = Status.RUNNING
             self.running.append(req)
             admitted.append(req)
         return admitted
+
+    def _lookup_hashes(self, req: Request) -> list[bytes]:
+        """The hashes of the request's blocks admission looks up (none without a prefix
+        cache): full prompt blocks before the one holding its last host token, whose final
+        hidden state feeds the head (after a recompute preemption the host tokens run past
+        the prompt, so its last block may be looked up too). Hashed once per request."""
+        if self.prefix_cache is None:
+            return []
+        if req.block_hashes is None:
+            req.block_hashes = block_hashes(req.prompt_ids, self.kv.block_size, self.prefix_salt)
+        return req.block_hashes[:(req.num_host_tokens - 1) // self.kv.block_size]
+
+    def _completed_blocks(self, groups: list[RowGroup]) -> list[tuple[bytes, tuple[int, ...], bytes | None]]:
+        """The full prompt blocks this plan completes, as `PrefixCache.publish` takes them
+        (hash, one page per plane, parent hash): those of its groups that finish positions at
+        the last depth. The plan writes them; earlier plans wrote them at shallower depths (a
+        row is planned only once its previous depth was), and with adaptive exit a token that
+        exited at depth e wrote its K/V into every deeper plane in the pass where it exited,
+        which is no later than this one. Only prompt positions are offered: they are never
+        rolled back (speculation's candidates and a recompute's replay lie past the prompt).
+
+        They are published once the plan's ticket completed (`ticket_done`), when the device
+        has written them whatever happened on the host meanwhile; only groups that made it
+        into the plan are offered. Publishing when the plan is built would serve readers as
+        well (tickets run in submission order on one stream, and a request that hits the
+        block is admitted in a later `schedule`, so its plans run after this one), but a
+        group built and then lost to a planning failure would leave a block in the cache
+        that nothing wrote. The request holds the pages until then: its storage returns
+        through a deferred action queued after this one (`_defer` runs them in order), and
+        `KVManager.truncate` never reaches prompt pages."""
+        if self.prefix_cache is None:
+            return []
+        by_cell = {req.cell: req for req in self.running}
+        blocks = []
+        for group in groups:
+            req = by_cell.get(group.cell)
+            if req is None or req.block_hashes is None or group.last_depth != self.num_loops - 1 \
+                    or not group.completes:
+                continue
+            hashes, first = req.block_hashes, req.published_blocks
+            done = min(group.end // self.kv.block_size, len(hashes))
+            if done <= first:
+                continue
+            tables = [self.kv.page_table(req.kv_key, plane) for plane in range(self.num_loops)]
+            for i in range(first, done):
+                blocks.append((hashes[i], tuple(table[i] for table in tables), hashes[i - 1] if i else None))
+            req.published_blocks = done
+        return blocks
+
+    def _publish(self, blocks: list[tuple[bytes, tuple[int, ...], bytes | None]]) -> None:
+        """Offer blocks a completed ticket wrote to the prefix cache (one already cached, or
+        whose parent was evicted meanwhile, is left out and stays its request's own)."""
+        for block_hash, pages, parent in blocks:
+            self.prefix_cache.publish(block_hash, pages, parent)
 
     def _need(self, req: Request) -> int:
         """Positions the request's tables must cover before it is planned. Every row a plan
@@ -376,10 +464,13 @@ class Scheduler:
         plan = Plan(self._next_ticket, groups, self.adaptive_exit)
         if self.kv.releases_tails:
             plan.releases = self._release_scans(groups)
+        completed = self._completed_blocks(groups)
         self._next_ticket += 1
         if release:  # token slots that finished the last depth return once the ticket completes
             self.token_slots.finish(release)
             self._defer(lambda: self.token_slots.release(release))
+        if completed:  # full prompt blocks go to the prefix cache once the ticket wrote them
+            self._defer(lambda: self._publish(completed))
         return plan
 
     def _release_scans(self, groups: list[RowGroup]) -> list[ReleaseScan]:
