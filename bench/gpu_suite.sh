@@ -25,7 +25,10 @@
 # TAG: a suffix of the json's name); PART=sparse-profile bench/profile_decode.py at 8K, dense and with sparse decode attention (PROFILE:
 # the variants, e.g. "dense sparse int4 all"; BATCHES, e.g. 1,16); PART=int4-prefill the INT4
 # prompt chunks' kernel, engine, graph and no-sync tests and bench/profile_prefill.py at 8K (dense,
-# int4; ROWS: the plan sizes, default "2048 8192"). Unset: tests, preempt, bench and serve, one after the other.
+# int4; ROWS: the plan sizes, default "2048 8192"); PART=yardstick bench/plain_path.py (issue 39's plain compiled
+# path) and bench/baseline.py in one call; PART=prefix-cache the prefix caching engine tests on the GPU and
+# bench/prefix_cache.py (64 requests sharing a 4K prefix, caching off and on). Unset: tests, preempt, bench and
+# serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -153,6 +156,19 @@ if [ "$PART" = quality ]; then
   TAIL=6 step 200 python bench/acceptance.py --device cuda --dtype float32 --prompts 4 --prompt-len 64 --max-tokens 48 \
     --ks 1,2,4,8 --ds 1,2,3 --temperatures 0,0.8 --out "$OUT/acceptance_default_cuda.json" \
     --trace-out "$OUT/acceptance_traces.json"
+  exit 0
+fi
+if [ "$PART" = yardstick ]; then  # issue 39: the engine against the plain compiled path, same call
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  TAIL=30 step 330 python bench/plain_path.py --model /tmp/ouro14 --out "$OUT/plain_path.json"
+  TAIL=12 step 200 python bench/baseline.py --model /tmp/ouro14 --out "$OUT/baseline_fast_path.json"
+  exit 0
+fi
+if [ "$PART" = prefix-cache ]; then  # issue 41: tests on the GPU, then the shared-prefix benchmark
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 &
+  TAIL=8 step 200 python -m pytest -q -rf --tb=short tests/test_prefix_caching.py
+  wait
+  TAIL=8 step 300 python bench/prefix_cache.py --model /tmp/ouro14 --out "$OUT/prefix_cache.json"
   exit 0
 fi
 if [ "$PART" = int4-prefill ]; then

@@ -140,6 +140,20 @@ def test_outputs_equal_an_uncached_engine(tiny_ckpt, uncached, mode, arrival):
     assert engine.scheduler.prefix_cache.num_cached_blocks >= 5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["plain", "block-d2", "pipeline-d1"])
+def test_on_cuda_with_graphs(tiny_ckpt, mode):
+    """The GPU path: the Triton backend and CUDA graphs of the loop passes, fp32 (bf16's
+    batch-dependent roundings would make a cached prefix differ in low bits from a fresh
+    one, as in any prefix cache): the same tokens as uncached, and hits happen."""
+    cuda = {"device": "cuda", "attention_backend": "triton", **MODES[mode]}
+    want = _run(_engine(tiny_ckpt, False, **cuda), PROMPTS, "burst")
+    engine = _engine(tiny_ckpt, True, **cuda)
+    assert engine.resolved.cuda_graphs, "the loop passes must replay as graphs"
+    assert_same(_run(engine, PROMPTS, "burst"), want, 1e-4)
+    assert engine.stats().prefix_cache_hits == HITS
+
+
 def test_hits_skip_exactly_their_rows(tiny_ckpt):
     """One after another, plain: the cached engine enters exactly the hit tokens fewer into
     the loops, and the counters say what was looked up and found."""
