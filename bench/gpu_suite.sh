@@ -176,7 +176,7 @@ if [ "$PART" = int4-prefill ]; then
   # 8K prompt's first token and kernels, INT4 against dense in one engine process each
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 &
   TAIL=6 step 150 python -m pytest -q -rf --tb=line tests/test_kernels_chunk_attention.py \
-    tests/test_kernels_residual_encode.py tests/test_cuda_no_sync.py
+    tests/test_kernels_residual_encode.py tests/test_kernels_seals.py tests/test_cuda_no_sync.py
   TAIL=6 step 200 python -m pytest -q -rf --tb=line tests/test_kv_residual_engine.py -k "chunk or cuda or triton"
   # the encoder runs inside decode graphs
   TAIL=6 step 150 python -m pytest -q -rf --tb=line tests/test_cuda_graphs.py -k "int4 or residual"
