@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from specloop.errors import SpecloopError
@@ -142,8 +142,9 @@ class PageCache(Protocol):
     blocks): the KV manager counts them as room and evicts them when the free list falls
     short, before it refuses an allocation (`OutOfPages`)."""
 
-    def can_evict(self, num_pages: int) -> bool:
-        """Whether `evict(num_pages)` would free that many pages (changes nothing)."""
+    def can_evict(self, num_pages: int, pinned: Iterable[bytes] = ()) -> bool:
+        """Whether `evict(num_pages)` would free that many pages, the blocks of `pinned`
+        (a chain a request is about to take) counted as in use (changes nothing)."""
 
     def evict(self, num_pages: int) -> list[int]:
         """Free at least `num_pages` pages if it can; returns the pages freed."""
@@ -289,12 +290,12 @@ class KVManager:
     def can_admit(self, reserve_tokens: int) -> bool:
         return self.can_take(self.pages_for(reserve_tokens))
 
-    def can_take(self, num_pages: int) -> bool:
+    def can_take(self, num_pages: int, pinned: Iterable[bytes] = ()) -> bool:
         """Whether `num_pages` more pages can be promised or allocated beyond every
         reservation: from the free pages nobody has a claim on, and, when those fall short,
-        from what the cache can evict (asked only then)."""
+        from what the cache can evict (asked only then), the cached blocks `pinned` excepted."""
         short = num_pages - self.num_available_pages
-        return short <= 0 or (self.cache is not None and self.cache.can_evict(short))
+        return short <= 0 or (self.cache is not None and self.cache.can_evict(short, pinned))
 
     def _reclaim(self, num_pages: int) -> None:
         """Make the unclaimed free pages number at least `num_pages` by evicting cached ones

@@ -261,21 +261,14 @@ class Scheduler:
         pages are shared, not taken, and may not be evicted to make room for the rest."""
         shared = len(hits) * self.kv.num_planes
         if self.reserve_max_tokens:
-            return self._room(self.kv.pages_for(req.reserve_tokens) - shared, hits)
+            return self.kv.can_take(self.kv.pages_for(req.reserve_tokens) - shared, hits)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
         if self.kv.releases_tails:
             return self._prompt_fits(req, spare)
         tokens = min(self._prompt_cover(req, req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
         if not self.kv.records_free_for(tokens, len(req.prompt_ids)):
             return False
-        return self._room(self.kv.pages_for(tokens) - shared + spare, hits)
-
-    def _room(self, pages: int, pinned: list[bytes]) -> bool:
-        """Whether `pages` more pages can be taken beyond every reservation: free ones, then
-        (asked only when those fall short) ones the prefix cache can evict, the blocks of
-        `pinned` excepted."""
-        short = pages - self.kv.num_available_pages
-        return short <= 0 or (self.prefix_cache is not None and self.prefix_cache.can_evict(short, pinned))
+        return self.kv.can_take(self.kv.pages_for(tokens) - shared + spare, hits)
 
     def _prompt_fits(self, req: Request, spare: int) -> bool:
         """With a KV format whose prompts grow a plan at a time (INT4 residuals): admit only
