@@ -165,6 +165,8 @@ def test_hits_skip_exactly_their_rows(tiny_ckpt):
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (lookups * BS, HITS)
     assert plain.stats().iteration_tokens_sum - stats.iteration_tokens_sum == HITS
     assert plain.stats().prefix_cache_queries == plain.stats().prefix_cache_hits == 0
+    # the cache's idle blocks count as free pages, as in vLLM (the pool is not full of them)
+    assert cached.scheduler.prefix_cache.num_cached_blocks > 0 and stats.kv_usage == 0.0
 
 
 @pytest.mark.parametrize("mode", ["plain", "block-d2", "pipeline-d1"])

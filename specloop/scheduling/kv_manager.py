@@ -142,6 +142,10 @@ class PageCache(Protocol):
     blocks): the KV manager counts them as room and evicts them when the free list falls
     short, before it refuses an allocation (`OutOfPages`)."""
 
+    @property
+    def num_evictable_pages(self) -> int:
+        """Pages `evict` could free now (changes nothing)."""
+
     def can_evict(self, num_pages: int, pinned: Iterable[bytes] = ()) -> bool:
         """Whether `evict(num_pages)` would free that many pages, the blocks of `pinned`
         (a chain a request is about to take) counted as in use (changes nothing)."""
@@ -276,10 +280,13 @@ class KVManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool held or reserved, in [0, 1]."""
+        """Fraction of the pool held or reserved, in [0, 1]. Pages only the prefix cache
+        holds count as free, as in vLLM: eviction hands them to the first request short of
+        room, so a full cache of idle blocks is not a full pool."""
         if self.num_pages == 0:
             return 0.0
-        return 1.0 - self.num_available_pages / self.num_pages
+        idle = self.cache.num_evictable_pages if self.cache is not None else 0
+        return 1.0 - (self.num_available_pages + idle) / self.num_pages
 
     @property
     def total_bytes_used(self) -> int:
