@@ -153,6 +153,22 @@ def test_publish_refuses_a_block_whose_parent_is_not_cached():
     cache.check()
 
 
+def test_publish_refuses_a_block_whose_cached_parent_is_a_twins():
+    """Two requests computed the same first block; the one whose copy was not cached may not
+    hang its second block under the other's (it would keep that idle chain from eviction
+    while only it runs); the one whose copy was cached may."""
+    cache = _cache()
+    alloc = cache.allocator
+    h0, h1 = block_hashes([1, 2, 3, 4], 2, SALT)
+    first, twin = tuple(alloc.allocate(2)), tuple(alloc.allocate(2))
+    assert cache.publish(h0, first, None) and not cache.publish(h0, twin, None)
+    second = tuple(alloc.allocate(2))
+    assert not cache.publish(h1, second, h0, twin)
+    assert h1 not in cache and [alloc.refcount(p) for p in second] == [1, 1]
+    assert cache.publish(h1, second, h0, first)
+    cache.check()
+
+
 def test_publish_rejects_bad_pages_and_changes_nothing():
     cache = _cache(num_planes=2)
     alloc = cache.allocator

@@ -330,3 +330,33 @@ async def test_metrics_export_the_counters(tiny_ckpt):
     assert value("vllm:prefix_cache_queries_total") == value("specloop_prefix_cache_queries_total") == 44
     assert value("vllm:prefix_cache_hits_total") == value("specloop_prefix_cache_hits_total") == 20
     assert "# TYPE vllm:prefix_cache_hits_total counter" in text
+
+
+@pytest.mark.parametrize("steps,elsewhere", [(1, False), (3, False), (6, True)])
+def test_a_restored_request_publishes_its_blocks(tiny_ckpt, steps, elsewhere):
+    """r0 (seven full prompt blocks) is snapshotted after `steps` steps and restored, into
+    the same engine after an abort or into a fresh one (`elsewhere`). After 1 or 3 steps its
+    prompt has reached loop 1 or 3, and the plans after the restore publish its blocks;
+    after 6 it has finished every loop, and the fresh engine's cache gets the blocks at the
+    restore. Either way a later request with the same prompt finds them all."""
+    engine = _engine(tiny_ckpt, True)
+    out: Outputs = {}
+    engine.add_request("r0", PROMPTS[2], _params(0))
+    for _ in range(steps):
+        step_into(engine, out)
+    snap = engine.snapshot("r0")
+    engine.abort("r0")
+    if elsewhere:
+        _clean(engine)
+        engine = _engine(tiny_ckpt, True)
+    engine.restore(snap)
+    cache = engine.scheduler.prefix_cache
+    assert cache.num_cached_blocks == (len(PROMPTS[2]) // BS if elsewhere else 0)
+    while engine.has_unfinished():
+        step_into(engine, out)
+    assert cache.num_cached_blocks == len(PROMPTS[2]) // BS
+    engine.add_request("r9", PROMPTS[2] + [77], _params(0))
+    while engine.has_unfinished():
+        step_into(engine, out)
+    assert engine.stats().prefix_cache_hits == len(PROMPTS[2]) // BS * BS
+    _clean(engine)

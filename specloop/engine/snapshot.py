@@ -213,6 +213,7 @@ class Snapshotter:
             part.restore(req, data)
         req.status = Status.RUNNING
         sched.running.append(req)
+        sched.restored(req)
         return req
 
 

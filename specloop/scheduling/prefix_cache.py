@@ -234,17 +234,24 @@ class PrefixCache:
         """Take one reference on every page of `blocks` (pages `lookup` returned) for a request."""
         self.allocator.incref([page for pages in blocks for page in pages])
 
-    def publish(self, block_hash: bytes, pages: tuple[int, ...], parent: bytes | None) -> bool:
+    def publish(self, block_hash: bytes, pages: tuple[int, ...], parent: bytes | None,
+                parent_pages: tuple[int, ...] | None = None) -> bool:
         """Offer a block a request has fully written at every plane and layer; `parent` is
-        the previous block's hash (None for a prompt's first block).
+        the previous block's hash (None for a prompt's first block), `parent_pages` the
+        request's own pages of that block (None: not checked).
 
-        Cached (True) when the hash is new and its parent is cached: the cache takes a
-        reference on each page. False, changing nothing, when the hash is cached already
-        (the request keeps its own pages) or the parent is not (the block could not be
-        reached). A page already in another cached block is an error."""
+        Cached (True) when the hash is new and its parent is cached as the request's own
+        pages: the cache takes a reference on each page. False, changing nothing, when the
+        hash is cached already (the request keeps its own pages), the parent is not (the
+        block could not be reached), or the parent is cached with other pages (a twin
+        request computed it: a child in use would keep the twin's idle chain from eviction
+        while this request runs, and a request restored into a tight pool could then not
+        evict what it needs to grow). A page already in another cached block is an error."""
         if len(pages) != self.num_planes or len(set(pages)) != self.num_planes:
             raise ValueError(f"a block is {self.num_planes} distinct pages, one per plane, got {pages}")
         if block_hash in self._blocks or (parent is not None and parent not in self._blocks):
+            return False
+        if parent is not None and parent_pages is not None and self._blocks[parent].pages != tuple(parent_pages):
             return False
         shared = [page for page in pages if page in self._owner]
         if shared:

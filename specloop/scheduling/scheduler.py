@@ -55,6 +55,9 @@ from specloop.scheduling.request import Request, Status, new_incarnation
 from specloop.scheduling.token_slots import TokenSlotPool
 
 
+# A block as `PrefixCache.publish` takes it: hash, pages (one a plane), parent hash, the
+# request's own pages of the parent block
+PublishedBlock = tuple[bytes, tuple[int, ...], bytes | None, tuple[int, ...] | None]
 ALL_COMMITTED = 2**62  # ReleaseScan.committed of a request without candidates
 
 
@@ -325,7 +328,7 @@ class Scheduler:
             req.block_hashes = block_hashes(req.prompt_ids, self.kv.block_size, self.prefix_salt)
         return req.block_hashes[:(req.num_host_tokens - 1) // self.kv.block_size]
 
-    def _completed_blocks(self, groups: list[RowGroup]) -> list[tuple[bytes, tuple[int, ...], bytes | None]]:
+    def _completed_blocks(self, groups: list[RowGroup]) -> list[PublishedBlock]:
         """The full prompt blocks this plan completes, as `PrefixCache.publish` takes them
         (hash, one page per plane, parent hash): those of its groups that finish positions at
         the last depth. The plan writes them; earlier plans wrote them at shallower depths (a
@@ -352,21 +355,41 @@ class Scheduler:
             if req is None or req.block_hashes is None or group.last_depth != self.num_loops - 1 \
                     or not group.completes:
                 continue
-            hashes, first = req.block_hashes, req.published_blocks
-            done = min(group.end // self.kv.block_size, len(hashes))
-            if done <= first:
-                continue
-            tables = [self.kv.page_table(req.kv_key, plane) for plane in range(self.num_loops)]
-            for i in range(first, done):
-                blocks.append((hashes[i], tuple(table[i] for table in tables), hashes[i - 1] if i else None))
-            req.published_blocks = done
+            blocks += self._blocks_up_to(req, group.end // self.kv.block_size)
         return blocks
 
-    def _publish(self, blocks: list[tuple[bytes, tuple[int, ...], bytes | None]]) -> None:
+    def _blocks_up_to(self, req: Request, done: int) -> list[PublishedBlock]:
+        """The request's prompt blocks from its first unpublished one up to block `done`
+        (exclusive), as `PrefixCache.publish` takes them; they count as published from now."""
+        hashes, first = req.block_hashes, req.published_blocks
+        done = min(done, len(hashes))
+        if done <= first:
+            return []
+        tables = [self.kv.page_table(req.kv_key, plane) for plane in range(self.num_loops)]
+        req.published_blocks = done
+        def pages(i: int) -> tuple[int, ...]:
+            return tuple(table[i] for table in tables)
+        return [(hashes[i], pages(i), hashes[i - 1] if i else None, pages(i - 1) if i else None)
+                for i in range(first, done)]
+
+    def restored(self, req: Request) -> None:
+        """A running request rebuilt from a snapshot (swap-in or `restore`): its prompt
+        blocks written at every depth go to the prefix cache now (the restore copied them
+        into its own pages, ahead of any later reader on the stream), and later ones as its
+        plans complete them. A snapshot carries no hashes; they are recomputed."""
+        if self.prefix_cache is None:
+            return
+        req.block_hashes = block_hashes(req.prompt_ids, self.kv.block_size, self.prefix_salt)
+        req.published_blocks = 0
+        last = self.kv.frontier(req.kv_key, self.num_loops - 1)
+        self._publish(self._blocks_up_to(req, last // self.kv.block_size))
+
+    def _publish(self, blocks: list[PublishedBlock]) -> None:
         """Offer blocks a completed ticket wrote to the prefix cache (one already cached, or
-        whose parent was evicted meanwhile, is left out and stays its request's own)."""
-        for block_hash, pages, parent in blocks:
-            self.prefix_cache.publish(block_hash, pages, parent)
+        whose parent was evicted meanwhile or is cached as a twin's pages, is left out and
+        stays its request's own)."""
+        for block in blocks:
+            self.prefix_cache.publish(*block)
 
     def _need(self, req: Request) -> int:
         """Positions the request's tables must cover before it is planned. Every row a plan
