@@ -140,6 +140,45 @@ def test_outputs_equal_an_uncached_engine(tiny_ckpt, uncached, mode, arrival):
     assert engine.scheduler.prefix_cache.num_cached_blocks >= 5
 
 
+TOKEN_SPARSE = {"window": 2 * BS, "retention": [1, 1, 0.5, 0.25]}
+WINDOW_HITS = 3 * 4 * BS  # each later request: the two whole windows (16 tokens) before its last token's
+
+
+@pytest.mark.parametrize("arrival,mode,keep_last", [
+    *[("sequential", mode, False) for mode in ("plain", "exit", "block-d2", "pipeline-d1")],
+    ("burst", "plain", False), ("burst", "block-d2", False), ("sequential", "plain", True),
+])
+def test_token_sparse_prefill_shares_whole_windows(tiny_ckpt, uncached, mode, arrival, keep_last):
+    """Token-sparse prefill with windows of two blocks: only whole windows are looked up and
+    offered (the shared prefix's third window is cut short by each prompt's own tokens, so a
+    later request hits four of its five cached blocks and computes the fifth itself), and
+    the outputs are the uncached engine's."""
+    options = {**MODES[mode], "token_sparse_prefill": {**TOKEN_SPARSE, "keep_last": keep_last}}
+    want = _want(uncached, ("token-sparse", mode, arrival, keep_last),
+                 lambda: _run(_engine(tiny_ckpt, False, **options), PROMPTS, arrival))
+    engine = _engine(tiny_ckpt, True, **options)
+    assert_same(_run(engine, PROMPTS, arrival), want, 1e-4)
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == WINDOW_HITS and stats.prefill_rows_skipped > 0
+    _clean(engine)
+
+
+def test_windowed_prompts_share_whole_windows_only():
+    """`shared_prefix` floors to a window boundary; with keep_last the window ending the
+    prompt is not shared (its selection keeps the prompt's last token)."""
+    from specloop.flashloop.config import TokenSparsePrefill
+    from specloop.flashloop.token_sparse_prefill.host import WindowedPrompts
+    from specloop.scheduling.prompts import DensePrompts
+    from specloop.scheduling.request import Request
+
+    req = Request("r", list(range(3, 35)), SamplingParams(max_tokens=1), arrival=0)  # 32 prompt tokens
+    plain = WindowedPrompts(TokenSparsePrefill(enabled=True, window=8, retention=(1, 1, 0.5, 0.25)))
+    last = WindowedPrompts(TokenSparsePrefill(enabled=True, window=8, retention=(1, 1, 0.5, 0.25), keep_last=True))
+    assert [plain.shared_prefix(req, n) for n in (0, 7, 8, 15, 28, 32)] == [0, 0, 8, 8, 24, 32]
+    assert [last.shared_prefix(req, n) for n in (0, 8, 28, 32)] == [0, 8, 24, 24]
+    assert DensePrompts().shared_prefix(req, 28) == 28
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["plain", "block-d2", "pipeline-d1"])
 def test_on_cuda_with_graphs(tiny_ckpt, mode):
@@ -271,11 +310,12 @@ def test_snapshot_of_a_request_holding_shared_pages(tiny_ckpt, uncached):
     assert out["r0"][0] + rest.get("r0", ([], []))[0] == want["r0"][0]
 
 
-def test_the_cache_refuses_int4_residuals_and_token_sparse_prefill():
+def test_the_cache_refuses_int4_residuals_and_windows_across_blocks():
     with pytest.raises(ConfigError, match="kv_residual_quantization"):
         EngineConfig(model="m", enable_prefix_caching=True, kv_residual_quantization={})
-    with pytest.raises(ConfigError, match="token_sparse_prefill"):
-        EngineConfig(model="m", enable_prefix_caching=True, token_sparse_prefill={"window": 8})
+    with pytest.raises(ConfigError, match="multiple of block_size"):
+        EngineConfig(model="m", enable_prefix_caching=True, block_size=16, token_sparse_prefill={"window": 40})
+    EngineConfig(model="m", enable_prefix_caching=True, block_size=16, token_sparse_prefill={"window": 64})
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         EngineConfig(model="m", enable_prefix_caching="yes")
     config = EngineConfig(model="m", enable_prefix_caching=True, sparse_decode_attention={})

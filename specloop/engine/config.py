@@ -94,10 +94,11 @@ class EngineConfig:
         if self.kv_residual_quantization.enabled:
             raise ConfigError("enable_prefix_caching does not work with kv_residual_quantization yet (INT4 residual "
                               "records are not shared between requests); turn one of them off")
-        if self.token_sparse_prefill.enabled:
-            raise ConfigError("enable_prefix_caching does not work with token_sparse_prefill yet (a window's selection "
-                              "depends on every token of the window, so its blocks are not reusable alone); turn one "
-                              "of them off")
+        tsp = self.token_sparse_prefill
+        if tsp.active and tsp.window % self.block_size:
+            raise ConfigError(f"enable_prefix_caching with token_sparse_prefill needs a window that is a multiple of "
+                              f"block_size ({self.block_size}), got {tsp.window}: only whole windows are shared (a "
+                              f"window's selection depends on every token of it)")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -205,12 +205,13 @@ class PrefixCache:
 
     # ----- requests -----
 
-    def lookup(self, hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
+    def lookup(self, hashes: Sequence[bytes], max_hits: int | None = None) -> list[tuple[int, ...]]:
         """The pages of the longest run of leading `hashes` that are cached (stops at the
-        first miss); counts the query and the hits and marks the hits recently used. Takes
-        no reference: the caller `acquire`s the pages it puts in its tables."""
+        first miss, or after `max_hits`: a caller that can use only whole windows of
+        them); counts the query and the hits and marks the hits recently used. Takes no
+        reference: the caller `acquire`s the pages it puts in its tables."""
         hits = []
-        for block_hash in hashes:
+        for block_hash in hashes[:max_hits]:
             block = self._blocks.get(block_hash)
             if block is None:
                 break

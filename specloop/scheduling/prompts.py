@@ -34,6 +34,11 @@ class PromptPlanning(Protocol):
     def stats(self) -> dict[str, int]:
         """Its `EngineStats` fields (token-sparse prefill: `prefill_rows_skipped`)."""
 
+    def shared_prefix(self, req: Request, tokens: int) -> int:
+        """How many of the first `tokens` (<= its prompt's) prompt positions a request may
+        share with another whose prompt starts the same (prefix caching): a leading span
+        whose KV at every depth depends on its own tokens alone, however either prompt goes on."""
+
 
 class DensePrompts:
     """Every prompt position planned on its own: it enters when a token slot is free."""
@@ -59,3 +64,6 @@ class DensePrompts:
 
     def stats(self) -> dict[str, int]:
         return {}
+
+    def shared_prefix(self, req: Request, tokens: int) -> int:
+        return tokens

@@ -27,7 +27,7 @@ storage, `swap_out`, and restores it at admission, `swap_in`), so preempted requ
 resume before new admissions. Growing there, before any controller plans, keeps planning free
 of page failures: `build_group` only draws on pages already covered.
 
-Automatic prefix caching (`prefix_cache`, dense KV only): a request's prompt is cut into
+Automatic prefix caching (`prefix_cache`, BF16 pages only): a request's prompt is cut into
 full blocks named by chained hashes, computed once (`Request.block_hashes`). At admission
 the cached leading blocks, up to the one before the block holding its last host token
 (that token's final hidden state feeds the head, so it is always computed), become the head
@@ -38,7 +38,10 @@ evicted, least recently used first, before anyone is refused or preempted (`KVMa
 A request offers each full prompt block of its own to the cache once the plan whose group
 finishes it at the last depth has completed (`_completed_blocks`): at that ticket's
 `ticket_done`, every plane and layer of the block is on the device (see `_completed_blocks`
-for why then). A request restored from a snapshot holds fresh pages and offers none.
+for why then). A request restored from a snapshot holds fresh pages and offers its blocks
+(`restored`). Only what the prompt planning calls shareable is looked up or offered
+(`PromptPlanning.shared_prefix`): every block, or whole windows of them with token-sparse
+prefill.
 """
 
 from __future__ import annotations
@@ -301,11 +304,11 @@ class Scheduler:
                 admitted.append(self.running[-1])  # the restored request
                 continue
             lookup = self._lookup_hashes(req)
-            hits = lookup[:self.prefix_cache.cached_prefix(lookup)] if lookup else []
+            hits = lookup[:self._usable_hits(req, self.prefix_cache.cached_prefix(lookup))] if lookup else []
             if not self._can_admit(req, hits):
                 return admitted  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            prefix = self.prefix_cache.lookup(lookup) if lookup else []  # the hits: counted, marked recent
+            prefix = self.prefix_cache.lookup(lookup, len(hits)) if lookup else []  # the hits: counted, marked recent
             assert len(prefix) == len(hits), "nothing changed the cache since it was asked"
             self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0, len(req.prompt_ids),
                                 prefix=prefix)
@@ -326,7 +329,13 @@ class Scheduler:
             return []
         if req.block_hashes is None:
             req.block_hashes = block_hashes(req.prompt_ids, self.kv.block_size, self.prefix_salt)
-        return req.block_hashes[:(req.num_host_tokens - 1) // self.kv.block_size]
+        blocks = min((req.num_host_tokens - 1) // self.kv.block_size, len(req.block_hashes))
+        return req.block_hashes[:self._usable_hits(req, blocks)]
+
+    def _usable_hits(self, req: Request, blocks: int) -> int:
+        """How many of the request's `blocks` leading prompt blocks it may take from the
+        cache: all of them, or whole windows of them with token-sparse prefill."""
+        return self.prompts.shared_prefix(req, blocks * self.kv.block_size) // self.kv.block_size
 
     def _completed_blocks(self, groups: list[RowGroup]) -> list[PublishedBlock]:
         """The full prompt blocks this plan completes, as `PrefixCache.publish` takes them
@@ -362,7 +371,7 @@ class Scheduler:
         """The request's prompt blocks from its first unpublished one up to block `done`
         (exclusive), as `PrefixCache.publish` takes them; they count as published from now."""
         hashes, first = req.block_hashes, req.published_blocks
-        done = min(done, len(hashes))
+        done = min(done, self._usable_hits(req, len(hashes)))
         if done <= first:
             return []
         tables = [self.kv.page_table(req.kv_key, plane) for plane in range(self.num_loops)]

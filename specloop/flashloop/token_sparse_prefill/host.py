@@ -107,6 +107,17 @@ class WindowedPrompts:
         w_start, w_end = self.windows.bounds(start, prompt)
         return any(self.windows.sparse(d, w_end - w_start) for d in range(len(self.windows.retention)))
 
+    def shared_prefix(self, req: Request, tokens: int) -> int:
+        """Whole windows only: a window's selection depends on every token of it, so a
+        window cut short by the prompt's end, or one a later suffix completes, differs
+        between the prompts. With `keep_last` the window ending the prompt is not shared
+        either (its selection keeps the prompt's last token)."""
+        prompt, window = len(req.prompt_ids), self.windows.window
+        end = tokens - tokens % window
+        if self.windows.keep_last and end == prompt:
+            end -= window
+        return max(end, 0)
+
     def release_frontiers(self, frontiers: list[int]) -> list[int]:
         """A sparse window copies the plane's exact values into the next plane for the tokens
         it leaves out, so a plane's tail is read until the next plane passed it too."""
