@@ -157,6 +157,7 @@ class PrefixCache:
         self._clock = 0
         self.query_blocks = 0  # blocks asked for by `lookup`
         self.hit_blocks = 0  # of those, found
+        self.evicted_blocks = 0  # dropped by `evict` to make room
 
     # ----- queries -----
 
@@ -273,7 +274,9 @@ class PrefixCache:
         """Free at least `num_pages` pages, or as many as eviction can, by dropping idle
         leaves least recently used first (a parent as soon as its last child went, if it is
         older than where the walk has got to); returns the freed pages, block by block."""
-        return self._drop(self._victims(num_pages, frozenset()))
+        victims = self._victims(num_pages, frozenset())
+        self.evicted_blocks += len(victims)
+        return self._drop(victims)
 
     def can_evict(self, num_pages: int, pinned: Iterable[bytes] = ()) -> bool:
         """Whether `evict(num_pages)` would free that many pages, counting the blocks of
@@ -314,7 +317,7 @@ class PrefixCache:
     def clear(self) -> list[int]:
         """Drop every block that eviction can (when weights or configuration change; blocks
         in use stay until a later eviction, unreachable once the salt has changed)."""
-        return self.evict(len(self._blocks) * self.num_planes)
+        return self._drop(self._victims(len(self._blocks) * self.num_planes, frozenset()))
 
     def _drop(self, victims: list[bytes]) -> list[int]:
         """Forget `victims` (children before parents) and give back the cache's references."""

@@ -109,8 +109,19 @@ def check_outcome(got: Outcome, want: tuple[list[int], str], where: str) -> None
 
 
 def assert_clean(core: EngineCore, where: str) -> None:
-    """No request, ticket, page, token slot or request cell left anywhere (the core at rest)."""
+    """No request, ticket, page, token slot or request cell left anywhere (the core at rest).
+    With prefix caching the cache's idle blocks stay: each of their pages must be held by
+    the cache alone, and the cache's invariants hold; they are then dropped (`clear`), and
+    the pool must be whole."""
     sched, kv = core.scheduler, core.kv
+    cache = sched.prefix_cache
+    if cache is not None:
+        cache.check()
+        held = [p for p in range(kv.num_pages) if kv.allocator.refcount(p)]
+        assert all(kv.allocator.refcount(p) == 1 for p in held) \
+            and len(held) == cache.num_cached_blocks * kv.num_planes, f"{where}: pages held beside the cache's"
+        cache.clear()
+        assert cache.num_cached_blocks == 0, f"{where}: cached blocks in use at rest"
     assert not core.requests and not core._detok and not core._inflight, \
         f"{where}: left requests {list(core.requests)}, {len(core._inflight)} tickets in flight"
     assert not sched.waiting and not sched.running, \

@@ -194,7 +194,8 @@ def _late_predecessors(specs: list[Spec], count: int) -> list[Spec]:
     return [dataclasses.replace(s, fate="late") if s.index in reused else s for s in specs]
 
 
-async def _run(run: TinyRun, ckpt: str, solo: SoloRuns) -> None:
+async def _run(run: TinyRun, ckpt: str, solo: SoloRuns) -> AsyncEngine:
+    """The run, its checks and the proofs that its chaos happened; returns the stopped engine."""
     seed, prompts, where = run.seed, run.prompts, run.where()
     specs = _late_predecessors(make_schedule(
         seed, REQUESTS, len(prompts), FATES, greedy_max_tokens=TINY_GREEDY_MAX_TOKENS,
@@ -227,6 +228,7 @@ async def _run(run: TinyRun, ckpt: str, solo: SoloRuns) -> None:
     assert client.clashes_refused >= 1, f"{where}: no add under a live ID was refused"
     assert client.late_aborts >= 1, f"{where}: no stale handle was aborted after its ID was reused"
     assert len(client.outcomes) >= REQUESTS
+    return engine
 
 
 @pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
