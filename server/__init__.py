@@ -1,4 +1,5 @@
-"""specloop's HTTP server: an OpenAI-compatible API over one `AsyncEngine`.
+"""specloop's HTTP server: an OpenAI-compatible API over one engine (`AsyncEngine`, or with
+`--data-parallel-size` a `DataParallelEngine` of replicas).
 
 `create_app(engine, model_name)` builds the FastAPI app; `specloop serve` (server.cli adds
 the command to the library's parser, server.main runs it) serves it under uvicorn on uvloop.

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over one AsyncEngine.
+"""The FastAPI app: OpenAI-compatible routes over one engine (`AsyncEngine`, or `DataParallelEngine`'s replicas).
 
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events with stream)
     GET  /v1/models
@@ -40,7 +40,8 @@ from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import RouteDoc, openapi_document, swagger_page
 from server.params import Job, Limits, chat_job, check_chat, completion_jobs, content_chars, encode_chat
 from server.schema import Bounds
-from specloop.engine.async_engine import AsyncEngine
+from specloop.engine.data_parallel.engine import DataParallelEngine
+from specloop.engine.serving import ServingEngine
 from specloop.errors import SpecloopError
 from specloop.protocol import (
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionChunk, CompletionRequest,
@@ -59,7 +60,7 @@ TITLE = "specloop"
 
 @dataclasses.dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: ServingEngine
     model_name: str
     model_path: str  # for the start-up line only: never sent to clients
     limits: Limits
@@ -88,7 +89,7 @@ class ServerState:
             raise
 
 
-def engine_limits(engine: AsyncEngine, chat_max_tokens: int | None = None) -> Limits:
+def engine_limits(engine: ServingEngine, chat_max_tokens: int | None = None) -> Limits:
     """Context length, the most tokens (prompt + max_tokens) the KV cache can ever hold, the
     most prompts one request may carry (the waiting queue's size), and a chat's default max_tokens."""
     return Limits(*engine.limits(), max_prompts=engine.config.max_waiting_requests, chat_max_tokens=chat_max_tokens)
@@ -129,7 +130,7 @@ class _Routes:
         return register
 
 
-def create_app(engine: AsyncEngine, model_name: str, model_path: str | None = None, *, api_key: str | None = None,
+def create_app(engine: ServingEngine, model_name: str, model_path: str | None = None, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_aliases: tuple[str, ...] = (),
                max_tokens_default: int | None = None) -> FastAPI:
     """The app serving `engine` as `model_name` (and `model_aliases`). `api_key` (empty: none)
@@ -169,9 +170,9 @@ def create_app(engine: AsyncEngine, model_name: str, model_path: str | None = No
 
 def schema_bounds(state: ServerState) -> Bounds:
     """The served engine's bounds /openapi.json states for each request field."""
-    core, config, limits = state.engine.core, state.engine.config, state.limits
-    return Bounds(state.model_name, core.model.config.vocab_size, limits.max_model_len, limits.max_request_tokens,
-                  limits.max_prompts, config.max_stop_strings, config.max_stop_chars, core.max_prompt_chars)
+    engine, config, limits = state.engine, state.engine.config, state.limits
+    return Bounds(state.model_name, engine.vocab_size, limits.max_model_len, limits.max_request_tokens,
+                  limits.max_prompts, config.max_stop_strings, config.max_stop_chars, engine.max_prompt_chars)
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -210,7 +211,7 @@ def _add_generation_routes(routes: _Routes, state: ServerState) -> None:
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
         state.check_model(req.model)
         check_chat(req)
-        engine.core.check_prompt_chars(content_chars(req.messages), "messages")  # before seconds of templating
+        engine.check_prompt_chars(content_chars(req.messages), "messages")  # before seconds of templating
         prompt_ids = await state.in_tokenizer_pool(
             lambda tok: encode_chat(tok, req.messages, req.add_generation_prompt))
         job = chat_job(req, prompt_ids, state.limits)
@@ -226,7 +227,7 @@ def _add_generation_routes(routes: _Routes, state: ServerState) -> None:
 
 
 def _add_tokenizer_routes(routes: _Routes, state: ServerState) -> None:
-    vocab_size = state.engine.core.model.config.vocab_size
+    vocab_size = state.engine.vocab_size
 
     @routes.post("/tokenize", TokenizeRequest, TokenizeResponse,
                  "Token ids of a prompt, or of messages after the chat template (vLLM).")
@@ -261,9 +262,12 @@ def _decode_tokens(tokenizer: Any, tokens: list[int], vocab_size: int) -> str:
 def _add_info_routes(routes: _Routes, state: ServerState, max_body_bytes: int) -> None:
     version = msgspec.json.encode(_version_info(state, max_body_bytes))
 
-    @routes.get("/health", "200 while serving; 503 once the engine stopped or shutdown began.")
+    @routes.get("/health", "200 while serving; 503 once the engine stopped or shutdown began. With data "
+                "parallelism: 200 while a replica serves, the body saying how many do.")
     async def health() -> Response:
         state.check_admitting()
+        if isinstance(state.engine, DataParallelEngine):
+            return Response(msgspec.json.encode(_replica_health(state.engine)), media_type="application/json")
         return Response(status_code=200)
 
     @routes.get("/metrics", "Prometheus metrics (specloop_* and vLLM's vllm:* names).", media_type=CONTENT_TYPE)
@@ -276,14 +280,23 @@ def _add_info_routes(routes: _Routes, state: ServerState, max_body_bytes: int) -
         return Response(version, media_type="application/json")
 
 
+def _replica_health(engine: DataParallelEngine) -> dict[str, Any]:
+    """`degraded` once a replica died: the server still serves, on fewer replicas."""
+    alive = sum(replica.alive for replica in engine.replicas)
+    return {"status": "ok" if alive == len(engine.replicas) else "degraded", "replicas": len(engine.replicas),
+            "replicas_alive": alive}
+
+
 def _version_info(state: ServerState, max_body_bytes: int) -> VersionInfo:
     """The engine options as configured (the served name in place of the checkpoint path: no local path
     leaks) and what start-up resolved them to."""
     engine = {**state.engine.config.summary(), "model": state.model_name}
+    if isinstance(state.engine, DataParallelEngine):
+        engine["data_parallel_size"] = len(state.engine.replicas)
     limits = {"max_model_len": state.limits.max_model_len, "max_request_tokens": state.limits.max_request_tokens,
               "max_prompts_per_request": state.limits.max_prompts, "max_body_bytes": max_body_bytes,
               "chat_max_tokens_default": state.limits.chat_max_tokens}
-    return VersionInfo(specloop.__version__, state.model_name, engine, limits, state.engine.core.resolved.summary())
+    return VersionInfo(specloop.__version__, state.model_name, engine, limits, state.engine.resolved.summary())
 
 
 async def _decode(request: Request, kind: type[S]) -> S:

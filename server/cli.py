@@ -43,6 +43,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens-default", type=cli.positive_int, default=None,
                    help="max_tokens of a chat request that gives neither max_tokens nor max_completion_tokens "
                         "(capped at what fits); default: everything that fits, up to the context length, as in vLLM")
+    p.add_argument("--data-parallel-size", type=cli.positive_int, default=1,
+                   help="engine replicas, each in its own process (on CUDA replica i uses cuda:i), requests "
+                        "routed to the least loaded; 1: one engine in the server's process")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="log level of the server and uvicorn")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -72,7 +75,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     max_body = args.max_body_bytes if args.max_body_bytes is not None else _default_max_body_bytes()
     return serve(ServeOptions(args.model, cli.engine_options(args), args.host, args.port, args.served_model_name,
                               args.log_level, args.shutdown_timeout, api_key=_api_key(args),
-                              max_body_bytes=max_body, max_tokens_default=args.max_tokens_default))
+                              max_body_bytes=max_body, max_tokens_default=args.max_tokens_default,
+                              data_parallel_size=args.data_parallel_size))
 
 
 SUBCOMMANDS: tuple[cli.AddSubcommand, ...] = (add_serve,)  # what the server adds to the library's commands

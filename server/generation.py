@@ -26,7 +26,8 @@ from fastapi import Request
 
 from server.metrics import RequestTimer, ServerMetrics
 from server.params import Job
-from specloop.engine.async_engine import AsyncEngine, RequestStream
+from specloop.engine.async_engine import RequestStream
+from specloop.engine.serving import ServingEngine
 from specloop.scheduling.request import RequestOutput, Usage
 
 T = TypeVar("T")
@@ -37,7 +38,7 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str, metrics: ServerMetrics,
+    def __init__(self, engine: ServingEngine, jobs: list[Job], request_id: str, metrics: ServerMetrics,
                  arrival: float | None = None) -> None:
         """`arrival`: when the HTTP request arrived (perf_counter), the start of its latencies."""
         self.jobs = jobs

@@ -13,9 +13,13 @@ If the engine dies (a forward call raised), a watchdog lets in-flight requests s
 error responses for `ENGINE_DEATH_GRACE_S`, then stops the server; the process exits 1, so a
 supervisor restarts it instead of leaving a server that answers every request with 503.
 
+With `data_parallel_size` N > 1 the engine is a `DataParallelEngine`: N replicas in
+processes of their own. A replica that dies ends only its requests and the server serves
+on; the watchdog stops the server once none is left.
+
 Test-only: $SPECLOOP_FAULTS arms `specloop.engine.faults` on the engine (forward call N
-raises, say), so tests can watch a real server process die; a malformed value is an
-`error:` line (exit 2) before the model loads.
+raises, say; with data parallelism on replica 0 alone), so tests can watch a real server
+process die; a malformed value is an `error:` line (exit 2) before the model loads.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import uvicorn
 from server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from specloop.engine import faults
 from specloop.engine.async_engine import AsyncEngine
+from specloop.engine.data_parallel.engine import DataParallelEngine
+from specloop.engine.serving import ServingEngine
 from specloop.errors import ConfigError
 
 log = logging.getLogger("specloop.serve")
@@ -57,6 +63,7 @@ class ServeOptions:
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never printed or logged
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_default: int | None = None  # chat without max_tokens; None: everything that fits
+    data_parallel_size: int = 1  # engine replicas, each in its own process; 1: one engine in this process
 
 
 def serve(opts: ServeOptions) -> int:
@@ -72,9 +79,7 @@ def serve(opts: ServeOptions) -> int:
         model = opts.model or default_model()
         name, aliases = served_names(opts.model, model, opts.served_model_name, default_model())
         injected = faults.from_env()  # test-only; None unless $SPECLOOP_FAULTS is set
-        engine = AsyncEngine.from_options(model, **opts.engine_options)
-        if injected is not None:  # before listening: the engine thread is idle, no step runs
-            faults.install(engine.core, injected)
+        engine = start_engine(model, opts, injected)
     except BaseException:
         sock.close()
         raise
@@ -85,6 +90,17 @@ def serve(opts: ServeOptions) -> int:
     server = _Server(config, app.state.server, opts.shutdown_timeout)
     _run_loop(_serve(server, engine, sock))
     return EXIT_ENGINE_FAILED if engine.error is not None else 0
+
+
+def start_engine(model: str, opts: ServeOptions, injected: faults.Faults | None) -> ServingEngine:
+    """One engine on a thread of this process, or `data_parallel_size` replicas in processes of
+    their own (there replica 0 reads $SPECLOOP_FAULTS itself)."""
+    if opts.data_parallel_size > 1:
+        return DataParallelEngine.from_options(model, opts.data_parallel_size, **opts.engine_options)
+    engine = AsyncEngine.from_options(model, **opts.engine_options)
+    if injected is not None:  # before listening: the engine thread is idle, no step runs
+        faults.install(engine.core, injected)
+    return engine
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -136,7 +152,7 @@ def _listen(sock: socket.socket, config: uvicorn.Config) -> None:
         raise ConfigError(f"cannot listen on {_address(config.host, config.port)}: {_reason(exc)}") from None
 
 
-async def _serve(server: "_Server", engine: AsyncEngine, sock: socket.socket) -> None:
+async def _serve(server: "_Server", engine: ServingEngine, sock: socket.socket) -> None:
     watchdog = asyncio.ensure_future(_watch_engine(server, engine))
     try:
         _listen(sock, server.config)
@@ -149,8 +165,9 @@ async def _serve(server: "_Server", engine: AsyncEngine, sock: socket.socket) ->
         log.info("stopped")
 
 
-async def _watch_engine(server: "_Server", engine: AsyncEngine) -> None:
-    """Stop the server once the engine died: a dead engine only answers 503."""
+async def _watch_engine(server: "_Server", engine: ServingEngine) -> None:
+    """Stop the server once the engine died (with data parallelism: every replica): a dead
+    engine only answers 503."""
     while engine.error is None:
         await asyncio.sleep(WATCH_INTERVAL_S)
     first_line = (str(engine.error).strip().splitlines() or [""])[0]

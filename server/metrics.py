@@ -22,7 +22,8 @@ before that (400, 413, 503...) is counted once in `specloop_request_errors_total
 and nowhere else. A request that failed inside the engine finishes with reason "error".
 
 The engine gauges, and the tokens each forward call took in (`iteration_tokens`), are read
-from `AsyncEngine.stats()` (the last snapshot the engine thread published) at scrape time. Beside our `specloop_*` series the same values are offered under
+from the engine's `stats()` (the last snapshot the engine thread published; with data
+parallelism, the replicas' merged) at scrape time. Beside our `specloop_*` series the same values are offered under
 vLLM's names (`vllm:*`, label `model_name` = the served name), so dashboards built for vLLM
 work unchanged.
 """
@@ -37,8 +38,9 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                    Metric)
 from prometheus_client.registry import Collector
 
-from specloop.engine.async_engine import AsyncEngine
 from specloop.engine.core import EngineStats
+from specloop.engine.data_parallel.engine import DataParallelEngine
+from specloop.engine.serving import ServingEngine
 from specloop.scheduling.request import RequestOutput, Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -63,7 +65,7 @@ def token_buckets(limit: int) -> tuple[int, ...]:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str = "") -> None:
+    def __init__(self, engine: ServingEngine, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r = self.registry
@@ -91,6 +93,8 @@ class ServerMetrics:
                               ["status"], registry=r)
         self._vllm_series(model_name, tokens)
         r.register(_EngineCollector(engine, model_name))
+        if isinstance(engine, DataParallelEngine):
+            r.register(_ReplicaCollector(engine))
 
     def _vllm_series(self, name: str, tokens: tuple[int, ...]) -> None:
         """vLLM's names for the series above, each labelled with the served model."""
@@ -191,10 +195,10 @@ class RequestTimer:
 class _EngineCollector(Collector):
     """Scheduler and KV gauges, and speculation counters, from the engine's last published stats."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self._engine = engine
         self._model_name = model_name
-        config, resolved = engine.config, engine.core.resolved
+        config, resolved = engine.config, engine.resolved
         self._cache_config = {"block_size": str(config.block_size), "num_gpu_blocks": str(resolved.num_kv_pages),
                               "gpu_memory_utilization": str(config.gpu_memory_utilization),
                               "cache_dtype": resolved.dtype, "model_name": model_name}
@@ -271,6 +275,32 @@ class _EngineCollector(Collector):
         info = InfoMetricFamily("vllm:cache_config", "The KV cache's configuration.")
         info.add_metric([], self._cache_config)
         yield info
+
+
+class _ReplicaCollector(Collector):
+    """With data parallelism: each replica's state, labelled `replica` (the merged values are above)."""
+
+    def __init__(self, engine: DataParallelEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        label = ["replica"]
+        alive = GaugeMetricFamily("specloop_replica_alive", "1 while the replica serves, 0 once it died.",
+                                  labels=label)
+        running = GaugeMetricFamily("specloop_replica_num_requests_running", "Requests being computed by the "
+                                    "replica.", labels=label)
+        waiting = GaugeMetricFamily("specloop_replica_num_requests_waiting", "Requests in the replica's waiting "
+                                    "queue.", labels=label)
+        usage = GaugeMetricFamily("specloop_replica_kv_cache_usage_ratio", "The replica's KV pages held or "
+                                  "reserved / its pages.", labels=label)
+        for replica in self._engine.replicas:
+            index, s = [str(replica.index)], replica.stats
+            live = replica.alive and s is not None  # a dead replica holds nothing
+            alive.add_metric(index, 1.0 if replica.alive else 0.0)
+            running.add_metric(index, s.running if live else 0)
+            waiting.add_metric(index, s.waiting if live else 0)
+            usage.add_metric(index, s.kv_usage if live else 0.0)
+        yield from (alive, running, waiting, usage)
 
 
 def _iteration_tokens(family: str, labels: list[str], values: list[str], s: EngineStats) -> Metric:

@@ -15,10 +15,10 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from specloop.engine.config import EngineConfig
+from specloop.engine.config import EngineConfig, ResolvedConfig
 from specloop.engine.core import EngineCore, EngineStats
 from specloop.scheduling.request import RequestOutput
 from specloop.sampling_params import SamplingParams
@@ -35,12 +35,16 @@ class _Stream:
 
 
 class RequestStream:
-    """One accepted request's outputs in order; `abort()` (or leaving early) ends it."""
+    """One accepted request's outputs in order; `abort()` (or leaving early) ends it.
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
+    The queue holds outputs, or an exception once the engine (or the replica serving the
+    request) died. `on_abort` asks the engine to end the request and says whether it could
+    (a dead engine cannot: the stream then still ends with its error)."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, on_abort: Callable[[], bool]) -> None:
         self.request_id = request_id
-        self._engine = engine
-        self._stream = stream
+        self._queue = queue
+        self._on_abort = on_abort
         self._finished = False
 
     def __aiter__(self) -> "RequestStream":
@@ -49,7 +53,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._finished:
             raise StopAsyncIteration
-        item = await self._stream.queue.get()
+        item = await self._queue.get()
         if isinstance(item, BaseException):
             self._finished = True
             raise EngineDeadError(f"the engine stopped: {item}") from item
@@ -60,10 +64,21 @@ class RequestStream:
 
     def abort(self) -> None:
         """Abort the request unless it finished; safe to call twice and from a cancelled scope."""
-        if not self._finished and self._engine.is_alive:
+        if not self._finished and self._on_abort():
             self._finished = True
-            rid, stream, engine = self.request_id, self._stream, self._engine
-            engine._submit(lambda: engine._abort_now(rid, stream))
+
+
+async def encode_prompt(prompt: str | list[int], check_chars: Callable[[int], None],
+                        in_tokenizer_pool: Callable[[Callable[[Any], Any]], Awaitable[Any]]) -> list[int]:
+    """A prompt's token ids: a text is bounded by its characters first, then encoded off the
+    event loop (ids pass through; the engine checks them)."""
+    if not isinstance(prompt, str):
+        return prompt
+    check_chars(len(prompt))
+    ids = await in_tokenizer_pool(lambda tok: tok.encode(prompt, add_special_tokens=False))
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    return ids
 
 
 class AsyncEngine:
@@ -90,6 +105,24 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Any:
         return self.core.tokenizer
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        """What start-up made of the options left to it (dtype, device, KV pages, ...)."""
+        return self.core.resolved
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.model.config.vocab_size
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which a text prompt certainly exceeds the context (None: no bound)."""
+        return self.core.max_prompt_chars
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text too long for the context whatever its tokens."""
+        self.core.check_prompt_chars(num_chars, param)
 
     @property
     def is_alive(self) -> bool:
@@ -119,12 +152,7 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._check_alive()
-        if isinstance(prompt, str):
-            self.core.check_prompt_chars(len(prompt))
-            text = prompt
-            prompt = await self.in_tokenizer_pool(lambda tok: tok.encode(text, add_special_tokens=False))
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty", param="prompt")
+        prompt = await encode_prompt(prompt, self.check_prompt_chars, self.in_tokenizer_pool)
 
         def add() -> None:
             self.core.add_request(rid, prompt, params)
@@ -136,7 +164,7 @@ class AsyncEngine:
             if self.is_alive:
                 self._submit(lambda: self._abort_now(rid, stream))
             raise
-        return RequestStream(self, rid, stream)
+        return RequestStream(rid, stream.queue, lambda: self._abort_stream(rid, stream))
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -193,6 +221,12 @@ class AsyncEngine:
         output = self.core.abort(rid)
         if output is not None:
             self._deliver([output])
+
+    def _abort_stream(self, rid: str, stream: _Stream) -> bool:
+        if not self.is_alive:
+            return False
+        self._submit(lambda: self._abort_now(rid, stream))
+        return True
 
     def _abort_all(self) -> None:
         for rid in list(self._streams):
