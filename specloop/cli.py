@@ -105,7 +105,9 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
                         "recompute (drop its KV, re-enter its prompt and tokens later) or swap (snapshot it to "
                         "host memory, restore it later)"),
     "enable_prefix_caching": (bool, "share the KV of full prompt blocks between requests with the same prefix "
-                              "(dense KV only: not with --kv-residual-quantization or --token-sparse-prefill)"),
+                              "(whole windows of them with --token-sparse-prefill; not with --kv-residual-quantization yet)"),
+    "tensor_parallel_size": (int, "ranks (processes, one GPU each on CUDA) the model's heads and MLP columns are "
+                             "split over; must divide the attention heads, KV heads and intermediate size"),
     "token_sparse_prefill": (str, "FlashLoop token-sparse prefill as a JSON object with enabled, window (prompt "
                              "tokens per selection window) and retention (per loop); '{}' switches it on with "
                              "the defaults"),

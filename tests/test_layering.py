@@ -35,6 +35,7 @@ RANKS: dict[str, float] = {
     "specloop/assets/": 0,
     "specloop/kernels/": 0.5,
     "specloop/model/": 1,
+    "specloop/parallel/": 1.2,  # tensor parallelism below the engine: weight shards, the ranks' process group
     "specloop/checkpoint/": 1.5,  # builds the model from a checkpoint folder
     "specloop/runtime/": 2,
     "specloop/scheduling/": 2,

@@ -5,7 +5,9 @@ page pool, token slots, the scheduler, the KV storage, the attention backend, th
 batch, the runner (with CUDA graphs), and the snapshotter with every part's share of a
 request snapshot. Each FlashLoop feature (`specloop.flashloop.*`) sizes itself (device
 bytes outside the page pool, token slots, the forward batch's integers, its share of the
-byte budget) and brings its parts; the core modules it wires name none of them.
+byte budget) and brings its parts; the core modules it wires name none of them. With
+tensor parallelism every rank's parts are wired here (`build_rank`), rank 0's in this
+process and the others' in their worker processes.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import torch
 from specloop.engine.config import EngineConfig
 from specloop.engine.executor import Executor
 from specloop.engine.snapshot import CellPart, KVPagesPart, SlotsPart, Snapshotter
+from specloop.engine.tensor_parallel import ShardedPagesPart, TensorParallelRunner, WorkerSetup, Workers
 from specloop.errors import ConfigError, SpecloopError
 from specloop.flashloop.config import summary as group_summary
 from specloop.flashloop.kv_residual.feature import KVResidualFeature
 from specloop.flashloop.sparse_decode.feature import SparseDecodeFeature
 from specloop.flashloop.token_sparse_prefill.feature import TokenSparsePrefillFeature
 from specloop.model.ouro import OuroModel
+from specloop.parallel.shard import check_divisible, shard_model
 from specloop.pipeline.heads import SpeculationHeads, Verifier
 from specloop.pipeline.rounds import RoundController
 from specloop.pipeline.token_pipeline import TokenPipeline
@@ -69,7 +73,39 @@ class EngineParts:
 def build(config: EngineConfig, model: OuroModel, device: torch.device, max_model_len: int, threshold: float,
           verifier: Verifier | None, swap_out: Callable[[Request], None],
           swap_in: Callable[[Request], bool]) -> EngineParts:
-    """`swap_out` / `swap_in`: the engine's halves of swap preemption (the scheduler calls them)."""
+    """`swap_out` / `swap_in`: the engine's halves of swap preemption (the scheduler calls them).
+
+    With `tensor_parallel_size` N > 1 this process is rank 0: it starts ranks 1..N-1
+    (`tensor_parallel.Workers`), each of which wires the same parts through `build_rank`
+    from the same configuration, with the KV budget fixed to rank 0's so that every rank
+    sizes the same pool; rank 0's runner hands each plan to them before running it."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return build_rank(config, model, device, max_model_len, threshold, verifier, swap_out, swap_in)
+    check_divisible(model.config, size)  # before any process starts
+    workers = Workers(size, device)
+    try:
+        state = model.state_dict()
+        shard = shard_model(state, model.config, 0, size, workers.group.all_reduce, device)
+        if config.num_kv_pages is None:  # read once, here, after rank 0's shard took its memory
+            config = dataclasses.replace(config, kv_cache_bytes=KVBudget(config, device).total())
+        workers.setup(WorkerSetup(config, {k: v.cpu() for k, v in state.items()}, model.config, max_model_len,
+                                  threshold, verifier, build_rank))
+        parts = build_rank(config, shard, device, max_model_len, threshold, verifier, swap_out, swap_in)
+        workers.wait_ready()
+    except BaseException:
+        workers.close()
+        raise
+    parts.executor = Executor(TensorParallelRunner(parts.executor.runner, workers))
+    return parts
+
+
+def build_rank(config: EngineConfig, model: OuroModel, device: torch.device, max_model_len: int, threshold: float,
+               verifier: Verifier | None, swap_out: Callable[[Request], None],
+               swap_in: Callable[[Request], bool]) -> EngineParts:
+    """One rank's parts for `model` (with tensor parallelism, the rank's shard, whose
+    `model.config` has the local heads: the KV pages, backend and features size themselves
+    for them)."""
     mcfg = model.config
     page_bytes = PagedKV.page_bytes(mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads,
                                     mcfg.head_dim, model.dtype)
@@ -121,7 +157,9 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
     assert len(rows_attention) <= 1, "one feature replaces rows' attention"
     backend = make_backend(config.attention_backend, store, device, mcfg.num_attention_heads,
                            mcfg.num_key_value_heads, rows_attention[0] if rows_attention else None)
-    graphed = device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
+    # (CUDA graphs of all-reduces across ranks are not captured yet: tensor parallelism runs eagerly)
+    graphed = (device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
+               and config.tensor_parallel_size == 1)
     buckets = tuple(b for b in DEFAULT_BUCKETS if b <= rows) if graphed else ()
     batch_parts = [p for p in (f.batch_part(general_slots, num_token_slots) for f in features) if p is not None]
     batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, -(-max_model_len // config.block_size),
@@ -137,7 +175,8 @@ def build(config: EngineConfig, model: OuroModel, device: torch.device, max_mode
     speculation_heads = next(iter(heads.values())) if heads else None
     draft = (speculation_heads.draft_tokens, speculation_heads.draft_probs) if speculation_heads else None
     on = {type(f): f for f in features}
-    parts = [KVPagesPart(kv, store), SlotsPart(runner.slots), CellPart(runner.next_token, draft)]
+    pages = KVPagesPart(kv, store) if config.tensor_parallel_size == 1 else ShardedPagesPart()
+    parts = [pages, SlotsPart(runner.slots), CellPart(runner.next_token, draft)]
     parts += [on[cls].snapshot_part(kv, store) if cls in on else Absent(cls.snapshot_key, cls.option)
               for cls in FEATURES if cls.snapshot_key is not None]
     snapshots = Snapshotter(fingerprint(config, model, store.name, threshold), config.summary(), scheduler, parts)

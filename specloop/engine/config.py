@@ -43,8 +43,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
     preemption_mode: str = "recompute"  # KV pages ran out: recompute (re-enter its tokens) | swap (snapshot to host)
-    enable_prefix_caching: bool = False  # share full prompt blocks' KV between requests (dense KV only; off until
+    enable_prefix_caching: bool = False  # share full prompt blocks' KV between requests (BF16 pages only; off until
     # measured on the GPU)
+    tensor_parallel_size: int = 1  # ranks the model's heads and MLP columns are split over (gloo on CPU, NCCL on CUDA)
     # FlashLoop groups (off by default): a dict, a JSON object string or the group's dataclass.
     token_sparse_prefill: TokenSparsePrefill = dataclasses.field(default_factory=TokenSparsePrefill)
     sparse_decode_attention: SparseDecodeAttention = dataclasses.field(default_factory=SparseDecodeAttention)
@@ -64,7 +65,7 @@ class EngineConfig:
         for name in ("block_size", "num_kv_pages", "kv_cache_bytes", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
                      "max_stop_strings", "max_stop_chars",
-                     "max_inflight_tickets", "draft_loops", "num_speculative_tokens"):
+                     "max_inflight_tickets", "draft_loops", "num_speculative_tokens", "tensor_parallel_size"):
             positive(name)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -83,10 +84,13 @@ class EngineConfig:
         if not isinstance(self.device, str) or not self.device.split(":")[0] in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         self._check_prefix_caching()
+        if self.tensor_parallel_size > 1 and self.preemption_mode == "swap":
+            raise ConfigError("preemption_mode 'swap' does not work with tensor_parallel_size > 1 yet (a snapshot "
+                              "would hold rank 0's heads of the KV only); use 'recompute'")
 
     def _check_prefix_caching(self) -> None:
-        """Prefix caching shares dense prompt blocks; the KV formats and plans that change
-        what a block holds are not supported with it yet."""
+        """Prefix caching shares prompt blocks: with token-sparse prefill whole windows of
+        them; INT4 residual records are not shared yet."""
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not self.enable_prefix_caching:
