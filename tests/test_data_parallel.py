@@ -134,6 +134,11 @@ def test_replica_placement():
         replica_devices("cuda:1", 2, cuda_devices=2)
 
 
+def test_data_parallel_refuses_tensor_parallel_replicas():
+    with pytest.raises(ConfigError, match="does not work with tensor_parallel_size"):
+        DataParallelEngine(EngineConfig(model="m", device="cpu", tensor_parallel_size=2), 2)
+
+
 def test_a_replicas_start_up_error_is_the_same_error_line(tmp_path, capsys):
     lines = []
     for size in ("1", "2"):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from specloop.checkpoint import load_model, load_tokenizer, stop_token_ids
+from specloop.checkpoint.loader import resolve_dtype
 from specloop.checkpoint.tokenizer import longest_token_bytes
 from specloop.engine.build import build
 from specloop.engine.config import EngineConfig, ResolvedConfig
@@ -90,7 +91,11 @@ class EngineCore:
         if model is None:
             # One matmul for q/k/v and one for gate/up per layer; a model passed in is left as
             # given, since its caller may still read it by checkpoint names (the reference).
-            model = load_model(config.model, dtype=config.dtype, device=device)[0].fuse_projections()
+            # With tensor parallelism the full model stays in host memory: each rank's shard
+            # goes to its device (`build`), so no GPU holds all of it.
+            at = torch.device("cpu") if config.tensor_parallel_size > 1 else device
+            dtype = resolve_dtype(config.dtype, device)  # the dtype the ranks' device calls for
+            model = load_model(config.model, dtype=dtype, device=at)[0].fuse_projections()
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # hand the parts' freed blocks back before the KV budget is read
         self.model = model
@@ -120,7 +125,8 @@ class EngineCore:
         self.failure: BaseException | None = None  # set when a step failed outside one request
         weight = next(self.model.parameters())
         self.resolved = ResolvedConfig(
-            dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device),
+            dtype=str(weight.dtype).removeprefix("torch."),
+            device=str(weight.device) if config.tensor_parallel_size == 1 else str(device),
             max_model_len=self.max_model_len, num_kv_pages=parts.num_pages, kv_page_bytes=parts.page_bytes,
             attention_backend=self.backend.name, cuda_graphs=parts.graphed, exit_threshold=float(threshold))
         log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",

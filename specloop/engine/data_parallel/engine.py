@@ -64,6 +64,8 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig, size: int, start_timeout_s: float = START_TIMEOUT_S) -> None:
         """Start `size` replicas of the engine `config` describes and wait until each is built;
         a replica's start-up error is raised here (after the others are stopped)."""
+        if size > 1 and config.tensor_parallel_size > 1:  # (replicas are daemonic: no worker processes of their own)
+            raise ConfigError("data_parallel_size > 1 does not work with tensor_parallel_size > 1 yet; use one of them")
         devices = replica_devices(config.device, size, torch.cuda.device_count())
         self.config = config
         self.error: BaseException | None = None
