@@ -104,13 +104,18 @@ def _close(engine: EngineCore) -> None:
     assert [p.exitcode for p in workers.procs] == [0] * (workers.size - 1)
 
 
-CASES = [  # (checkpoint, ranks, mode, FlashLoop features on)
+CASES = [  # (checkpoint, ranks, mode, FlashLoop features on): every mode at each (checkpoint, ranks)
     ("tiny", 2, "plain", False),
     ("tiny", 2, "block-d2", True),
     ("tiny", 2, "pipeline-d1", True),
     ("shipped", 2, "plain", True),
     ("shipped", 2, "block-d1", False),
+    ("shipped", 2, "pipeline-d2", True),
+    ("mha", 4, "plain", True),
     ("mha", 4, "block-d2", True),
+    ("mha", 4, "pipeline-d1", False),
+    ("shipped", 4, "plain", False),
+    ("shipped", 4, "block-d2", True),
     ("shipped", 4, "pipeline-d1", True),
 ]
 
