@@ -115,8 +115,10 @@ def test_lookup_returns_the_leading_hits_and_stops_at_the_first_miss():
     assert cache.lookup([other[0], other[1], hashes[2]]) == blocks[:1]  # hashes[2] is cached, past a miss
     assert cache.lookup(block_hashes([9, 9], 2, SALT)) == []
     assert cache.lookup([]) == []
-    assert (cache.query_blocks, cache.hit_blocks) == (10, 5)
+    assert (cache.query_tokens, cache.hit_blocks) == (20, 5)
     assert cache.stats() == {"prefix_cache_queries": 20, "prefix_cache_hits": 10}
+    assert cache.lookup(hashes, max_hits=2, tokens=7) == blocks[:2]  # a request of 7 tokens, 2 blocks usable
+    assert cache.stats() == {"prefix_cache_queries": 27, "prefix_cache_hits": 14}
     cache.check()
 
 

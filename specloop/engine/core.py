@@ -75,8 +75,8 @@ class EngineStats:
     iteration_tokens: tuple[tuple[float, int], ...] = ()  # tokens entering the loops per submitted plan:
     # (upper bound, plans with at most that many) per bucket, the last bound inf
     iteration_tokens_sum: int = 0
-    prefix_cache_queries: int = 0  # prompt positions admission looked up in the prefix cache (a re-admission after
-    # preemption counts again; 0 with enable_prefix_caching off)
+    prefix_cache_queries: int = 0  # positions of the requests admission looked up in the prefix cache, all of
+    # them as vLLM counts (a re-admission after preemption counts again; 0 with enable_prefix_caching off)
     prefix_cache_hits: int = 0  # of those, positions found cached (their rows are not computed)
 
 

@@ -155,7 +155,7 @@ class PrefixCache:
         self._recency: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # oldest first
         self._owner: dict[int, bytes] = {}  # page -> the cached block holding it
         self._clock = 0
-        self.query_blocks = 0  # blocks asked for by `lookup`
+        self.query_tokens = 0  # positions requests asked for at `lookup` (vLLM counts a request's every token)
         self.hit_blocks = 0  # of those, found
         self.evicted_blocks = 0  # dropped by `evict` to make room
 
@@ -201,23 +201,25 @@ class PrefixCache:
 
     def stats(self) -> dict[str, int]:
         """Counters in tokens, as vLLM reports them: positions looked up and positions hit."""
-        return {"prefix_cache_queries": self.query_blocks * self.block_size,
+        return {"prefix_cache_queries": self.query_tokens,
                 "prefix_cache_hits": self.hit_blocks * self.block_size}
 
     # ----- requests -----
 
-    def lookup(self, hashes: Sequence[bytes], max_hits: int | None = None) -> list[tuple[int, ...]]:
+    def lookup(self, hashes: Sequence[bytes], max_hits: int | None = None,
+               tokens: int | None = None) -> list[tuple[int, ...]]:
         """The pages of the longest run of leading `hashes` that are cached (stops at the
         first miss, or after `max_hits`: a caller that can use only whole windows of
-        them); counts the query and the hits and marks the hits recently used. Takes no
-        reference: the caller `acquire`s the pages it puts in its tables."""
+        them); counts the query (`tokens`: the request's positions, as vLLM counts them;
+        default the hashes' blocks) and the hits and marks the hits recently used. Takes
+        no reference: the caller `acquire`s the pages it puts in its tables."""
         hits = []
         for block_hash in hashes[:max_hits]:
             block = self._blocks.get(block_hash)
             if block is None:
                 break
             hits.append(block.pages)
-        self.query_blocks += len(hashes)
+        self.query_tokens += len(hashes) * self.block_size if tokens is None else tokens
         self.hit_blocks += len(hits)
         self.touch(hashes[:len(hits)])
         return hits
@@ -355,4 +357,4 @@ class PrefixCache:
                 children[block.parent] += 1
         for block_hash, block in self._blocks.items():
             assert block.children == children[block_hash]
-        assert 0 <= self.hit_blocks <= self.query_blocks
+        assert 0 <= self.hit_blocks * self.block_size <= self.query_tokens

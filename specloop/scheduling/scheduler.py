@@ -308,7 +308,9 @@ class Scheduler:
             if not self._can_admit(req, hits):
                 return admitted  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            prefix = self.prefix_cache.lookup(lookup, len(hits)) if lookup else []  # the hits: counted, marked recent
+            prefix = []  # the hits: counted (the request's every position as queried, as vLLM counts), marked recent
+            if self.prefix_cache is not None:
+                prefix = self.prefix_cache.lookup(lookup, len(hits), req.num_host_tokens)
             assert len(prefix) == len(hits), "nothing changed the cache since it was asked"
             self.kv.add_request(req.kv_key, req.reserve_tokens if self.reserve_max_tokens else 0, len(req.prompt_ids),
                                 prefix=prefix)
