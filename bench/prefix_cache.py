@@ -6,7 +6,8 @@
 N requests (default 64) share one P-token prefix (default 4,096 random tokens) and each
 adds its own S-token suffix (default 256), asking for T greedy tokens (default 64,
 ignore_eos). For each setting (caching off, then on, in separate engines of the same
-configuration) one warm-up request with an unrelated prefix runs first, then one request
+configuration) a warm-up batch of N unrelated P/4-token prompts runs first (the batch's
+kernel variants and decode graphs, so that compilation lands on neither setting), then one request
 with the shared prefix (its blocks reach the cache), then all N at once. Per setting:
 TTFT p50 / p90 / max over the N (from their submission), output tokens/s over the N (all
 output tokens / wall time to the last), the prefix-cache counters (tokens looked up and
@@ -61,12 +62,12 @@ def _serve(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int, d
     return first, tokens, time.perf_counter() - start
 
 
-def _setting(args, caching: bool, prefix: list[int], suffixes: list[list[int]], warm: list[int]) -> dict:
+def _setting(args, caching: bool, prefix: list[int], suffixes: list[list[int]], warm: list[list[int]]) -> dict:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=caching, **({"kv_cache_bytes": args.kv_bytes} if args.kv_bytes else {}))
     engine = EngineCore(cfg)
     print(f"caching {'on' if caching else 'off'}: engine ready", flush=True)
-    _serve(engine, {"warm": warm}, 4, args.device)
+    _serve(engine, {f"warm{i}": w for i, w in enumerate(warm)}, 4, args.device)
     _serve(engine, {"first": prefix + suffixes[0]}, 4, args.device)  # the prefix's blocks reach the cache
     before = engine.stats()
     ttft, tokens, wall = _serve(engine, {f"r{i}": prefix + s for i, s in enumerate(suffixes)}, args.max_tokens,
@@ -109,7 +110,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     prefix = _tokens(args.prefix, vocab, gen)
     suffixes = [_tokens(args.suffix, vocab, gen) for _ in range(args.requests)]
-    warm = _tokens(args.prefix // 4 + 1, vocab, gen)
+    warm = [_tokens(args.prefix // 4 + 1, vocab, gen) for _ in range(args.requests)]
     off = _setting(args, False, prefix, suffixes, warm)
     on = _setting(args, True, prefix, suffixes, warm)
     equal = sum(off["tokens"][rid] == on["tokens"][rid] for rid in off["tokens"])
