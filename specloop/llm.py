@@ -45,6 +45,17 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); idempotent. Also on leaving
+        a `with LLM(...) as llm:` block, and when the LLM is collected or the interpreter exits."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self, prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,

@@ -179,6 +179,11 @@ async def test_abort_reaches_the_replica_serving_the_request(dp, solo):
     with pytest.raises(InvalidRequestError) as refused:  # a replica's refusal crosses as the same error
         await dp.add(short, SamplingParams(top_k=10**6))
     assert refused.value.param == "top_k" and [r.load.requests for r in dp.replicas] == [1, 1]
+    for bad in ([2**70], [-1], [3, "x"]):  # refused in the server (an id past int64 could not even cross)
+        with pytest.raises(InvalidRequestError) as refused:
+            await dp.add(bad, greedy(4), request_id="bad")
+        assert refused.value.param == "prompt"
+    assert [r.load.requests for r in dp.replicas] == [1, 1] and not any(r.owns("bad") for r in dp.replicas)
     await until(lambda: dp.replicas[0].stats.running == 1, "replica 0 runs its request")
     await dp.abort("long")
     outputs = [out async for out in first]

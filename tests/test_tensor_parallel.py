@@ -185,3 +185,61 @@ def test_a_worker_that_fails_to_start_fails_the_engine_start(tiny_ckpt):
     with pytest.raises(SpecloopError, match="rank 1 failed to build its parts: ZeroDivisionError"):
         EngineCore(config, verifier=BrokenInWorkers())
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("specloop-tp")]
+
+
+def _tp_children() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("specloop-tp")]
+
+
+def test_a_worker_that_dies_before_the_group_forms_fails_the_start_at_once(tiny_ckpt, monkeypatch):
+    """Rank 1 dies after saying it started, before the rendezvous: rank 0 watches the workers
+    while it joins, so the start fails in seconds with the rank named (the rendezvous alone
+    would wait for its timeout, bounded here to 60 s)."""
+    import datetime
+    import time
+
+    import specloop.engine.tensor_parallel as tp
+    import specloop.parallel.group as group
+
+    monkeypatch.setattr(group, "TIMEOUT", datetime.timedelta(seconds=60))
+    wait_for = tp.Workers._wait_for
+
+    def dies_after_start(self, expected, stage, hint):
+        wait_for(self, expected, stage, hint)
+        if expected == tp.tensor_parallel_worker.STARTED:
+            self.procs[0].kill()
+            self.procs[0].join()
+
+    monkeypatch.setattr(tp.Workers, "_wait_for", dies_after_start)
+    config = EngineConfig.from_kwargs(str(tiny_ckpt), dtype="float32", device="cpu", tensor_parallel_size=2)
+    start = time.monotonic()
+    with pytest.raises(SpecloopError, match="tensor-parallel rank 1 exited"):
+        EngineCore(config)
+    assert time.monotonic() - start < 30 and not _tp_children()
+
+
+def test_a_failure_of_rank_0_alone_ends_the_workers_at_once(tiny_ckpt, monkeypatch):
+    """Rank 0's forward call raises after the plan went to the workers: they would wait in
+    their first all-reduce for minutes; the failed call terminates them."""
+    engine = _engine(tiny_ckpt, 2, "plain", False)
+    workers = engine.executor.runner.workers
+
+    def broken(plan):
+        raise RuntimeError("rank 0 broke")
+
+    monkeypatch.setattr(engine.executor.runner.runner, "execute", broken)
+    engine.add_request("r0", PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="rank 0 broke"):
+        engine.drain()
+    assert not any(p.is_alive() for p in workers.procs)
+
+
+async def test_async_engine_shutdown_stops_the_workers(tiny_ckpt):
+    from specloop.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_options(str(tiny_ckpt), dtype="float32", device="cpu", tensor_parallel_size=2)
+    procs = engine.core.executor.runner.workers.procs
+    outputs = [out async for out in engine.generate(PROMPTS[1], GREEDY)]
+    assert outputs[-1].finished
+    await engine.shutdown()
+    assert not any(p.is_alive() for p in procs)

@@ -261,6 +261,11 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
             self._streams.clear()
             self._fail_pending(exc)
+        finally:
+            try:
+                self.core.close()  # tensor-parallel workers stop with the engine thread
+            except Exception:
+                log.exception("stopping the engine's workers failed")
 
     def _run_commands(self, block: bool) -> None:
         try:

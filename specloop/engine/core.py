@@ -80,6 +80,16 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, positions found cached (their rows are not computed)
 
 
+def check_token_ids(prompt: Any, vocab: int) -> list[int]:
+    """A prompt given as token ids, checked (a list of ints in [0, vocab)); raises InvalidRequestError."""
+    if not (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    return list(prompt)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: OuroModel | None = None, tokenizer: Any = None,
                  verifier: Verifier | None = None) -> None:
@@ -208,14 +218,8 @@ class EngineCore:
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt))
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model.config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
-            ids = list(prompt)
         else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+            ids = check_token_ids(prompt, self.model.config.vocab_size)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
@@ -245,6 +249,11 @@ class EngineCore:
     def max_request_tokens(self) -> int:
         """The most positions (prompt + max_tokens) one request can hold in the KV pool."""
         return self.kv.num_pages // self.kv.num_planes * self.kv.block_size
+
+    def close(self) -> None:
+        """Stop what the engine runs outside this process (tensor-parallel workers); idempotent.
+        `AsyncEngine` calls it when its thread ends; garbage collection and interpreter exit do too."""
+        self.executor.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._inflight) or bool(self._pending)

@@ -68,3 +68,7 @@ class Executor:
     def submit(self, plan: Plan) -> Ticket:
         self.num_submitted += 1
         return Ticket(self.runner.execute(plan))
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers); idempotent."""
+        self.runner.close()

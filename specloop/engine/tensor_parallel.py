@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -94,10 +95,32 @@ class Workers:
         try:
             # (one that died never joins the group: the rendezvous would wait for it until the timeout)
             self._wait_for(tensor_parallel_worker.STARTED, "start", GUARD_HINT)
-            self.group = Group(store, 0, size, device)
+            self.group = self._join_group(store, size, device)
         except BaseException:
             self.close()
             raise
+
+    def _join_group(self, store: Any, size: int, device: torch.device) -> Group:
+        """Rank 0's member of the group, formed on a thread while this one watches the workers:
+        a worker that dies or fails its own join (it sends why, then exits) ends the wait at
+        once, with its error, instead of a rendezvous timeout minutes later."""
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = Group(store, 0, size, device)
+            except BaseException as exc:  # (raised below, on the caller's thread)
+                joined["error"] = exc
+
+        thread = threading.Thread(target=join, name="specloop-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(POLL_SECONDS)
+            self.check()
+        if "error" in joined:
+            raise SpecloopError(f"the tensor-parallel ranks could not form their group: {joined['error']}") \
+                from joined["error"]
+        return joined["group"]
 
     def setup(self, setup: WorkerSetup) -> None:
         for conn in self.conns:
@@ -144,6 +167,13 @@ class Workers:
         """Stop every worker (idempotent)."""
         self._stop()
 
+    def kill(self) -> None:
+        """Terminate every worker now (they may be blocked in a collective rank 0 left), then close."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        self._stop()
+
     @staticmethod
     def _receive(conn: Connection) -> Any:
         """The worker's next message, None when its end of the pipe is closed."""
@@ -182,7 +212,10 @@ class TensorParallelRunner:
         try:
             return self.runner.execute(plan)
         except Exception:
-            self.workers.check(grace=FAILURE_GRACE)  # a worker that died is the cause: say which
+            try:
+                self.workers.check(grace=FAILURE_GRACE)  # a worker that died is the cause: say which
+            finally:  # the forward call failed: the engine ends, and workers still in its collectives never return
+                self.workers.kill()
             raise
 
     def close(self) -> None:

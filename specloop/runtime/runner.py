@@ -78,6 +78,9 @@ class Runner:
         self.context = HeadContext(model, self.next_token, engine_seed)
         self._pin = self.device.type == "cuda"
 
+    def close(self) -> None:
+        """Nothing outside this process to release (a tensor-parallel runner stops its workers)."""
+
     @torch.inference_mode()
     def execute(self, plan: Plan) -> TicketOutput:
         batch = self.batches.build(plan)

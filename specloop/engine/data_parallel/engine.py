@@ -30,7 +30,7 @@ import torch
 from specloop.checkpoint import load_tokenizer
 from specloop.engine.async_engine import RequestStream, encode_prompt
 from specloop.engine.config import EngineConfig, ResolvedConfig
-from specloop.engine.core import EngineStats
+from specloop.engine.core import EngineStats, check_token_ids
 from specloop.engine.data_parallel.handle import ReplicaHandle
 from specloop.engine.data_parallel.router import least_loaded
 from specloop.engine.data_parallel.stats import merge_stats
@@ -129,6 +129,7 @@ class DataParallelEngine:
         rid = request_id or uuid.uuid4().hex
         self._check_alive()
         ids = await encode_prompt(prompt, self.check_prompt_chars, self.in_tokenizer_pool)
+        ids = check_token_ids(ids, self.vocab_size)  # here: an id the wire cannot carry is a 400 too
         work = min(len(ids) + params.max_tokens, self._max_model_len)
         with self._lock:
             if any(r.owns(rid) for r in self.replicas):

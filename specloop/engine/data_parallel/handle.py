@@ -111,12 +111,18 @@ class ReplicaHandle:
                   owned: _Owned) -> RequestStream:
         """Send a request taken with `take`; return its stream once the replica accepted it."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            message = wire.encoder.encode(wire.Add(request_id, prompt_ids, dataclasses.asdict(params)))
+        except BaseException:  # (nothing is pending yet: the request is forgotten, its load released)
+            with self._lock:
+                self._forget(request_id, owned)
+            raise
         with self._lock:
             if not self.alive:
                 self._forget(request_id, owned)
                 raise EngineDeadError(f"the engine stopped: {self._end}")
             self._pending[request_id] = future
-        self._outbox.put(wire.encoder.encode(wire.Add(request_id, prompt_ids, dataclasses.asdict(params))))
+        self._outbox.put(message)
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the add may still be accepted: abort what it queued
