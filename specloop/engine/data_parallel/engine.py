@@ -72,9 +72,11 @@ class DataParallelEngine:
         self._stopping = False
         self._lock = threading.Lock()  # routing: every replica's load and streams
         cpu_threads = max(1, (os.cpu_count() or 1) // size)
-        self.replicas = [ReplicaHandle(i, dataclasses.replace(config, device=device), cpu_threads, self._lock,
-                                       self._died) for i, device in enumerate(devices)]
-        try:
+        self.replicas: list[ReplicaHandle] = []
+        try:  # (a replica that cannot even start stops those started before it)
+            for i, device in enumerate(devices):
+                self.replicas.append(ReplicaHandle(i, dataclasses.replace(config, device=device), cpu_threads,
+                                                   self._lock, self._died))
             deadline = time.monotonic() + start_timeout_s
             readies = [r.wait_ready(max(0.0, deadline - time.monotonic())) for r in self.replicas]
             self.tokenizer = load_tokenizer(config.model)
