@@ -214,7 +214,8 @@ async def test_metrics_are_the_replicas_added_up(dp):
     for index in ("0", "1"):
         assert metric(text, f'specloop_replica_alive{{replica="{index}"}}') == 1
         assert metric(text, f'specloop_replica_num_requests_running{{replica="{index}"}}') == 0
-    assert metric(text, 'specloop_requests_finished_total{finish_reason="length"}') >= 4  # (the module's earlier requests count too)
+    # (the module's earlier requests count too)
+    assert metric(text, 'specloop_requests_finished_total{finish_reason="length"}') >= 4
     assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2, "replicas_alive": 2}
     assert version["engine"]["data_parallel_size"] == 2 and version["engine"]["device"] == "cpu"
 
