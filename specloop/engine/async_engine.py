@@ -81,7 +81,26 @@ async def encode_prompt(prompt: str | list[int], check_chars: Callable[[int], No
     return ids
 
 
-class AsyncEngine:
+class Generates:
+    """`generate` over the engine's `add`: shared by `AsyncEngine` and `DataParallelEngine`."""
+
+    async def add(self, prompt: str | list[int], params: SamplingParams | None = None,
+                  request_id: str | None = None) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's incremental outputs; leaving the iterator early aborts it."""
+        stream = await self.add(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+
+class AsyncEngine(Generates):
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         self.config = config
@@ -165,17 +184,6 @@ class AsyncEngine:
                 self._submit(lambda: self._abort_now(rid, stream))
             raise
         return RequestStream(rid, stream.queue, lambda: self._abort_stream(rid, stream))
-
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's incremental outputs; leaving the iterator early aborts it."""
-        stream = await self.add(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     async def abort(self, request_id: str) -> None:
         if self.is_alive:

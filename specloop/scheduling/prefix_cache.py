@@ -51,11 +51,11 @@ Integration (`Scheduler`, `KVManager`; the engine option `enable_prefix_caching`
   and `evict` runs before `OutOfPages` or a preemption; `KVManager.truncate` refuses to
   drop a shared page, so a reservation never counts one as re-allocatable (kv_manager's
   note on invariant 3);
+- token-sparse prefill: a window's selection depends on every token of the window, so
+  the scheduler looks up and offers whole windows only (`PromptPlanning.shared_prefix`);
 - INT4 residual records (`kv_residual_quantization`: planes release their leading pages,
-  records follow groups) and token-sparse prefill windows (a window's selection depends
-  on every token of the window, so a block is reusable at the sparse depths only when its
-  whole window is) are later concerns; until then `EngineConfig` refuses caching with
-  either (a salt keeps identities apart, it does not make those blocks reusable).
+  records follow groups) are a later concern; until then `EngineConfig` refuses caching
+  with them (a salt keeps identities apart, it does not make those blocks reusable).
 
 Costs: `lookup`, `touch`, `publish` and `acquire` are O(blocks touched). `evict` walks
 the recency order from its old end and stops once it has freed enough: O(blocks freed +

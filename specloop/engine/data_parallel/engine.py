@@ -22,13 +22,13 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from specloop.checkpoint import load_tokenizer
-from specloop.engine.async_engine import RequestStream, encode_prompt
+from specloop.engine.async_engine import Generates, RequestStream, encode_prompt
 from specloop.engine.config import EngineConfig, ResolvedConfig
 from specloop.engine.core import EngineStats, check_token_ids
 from specloop.engine.data_parallel.handle import ReplicaHandle
@@ -37,7 +37,6 @@ from specloop.engine.data_parallel.stats import merge_stats
 from specloop.engine.tokenizer_pool import TokenizerPool
 from specloop.errors import ConfigError, EngineDeadError, InvalidRequestError
 from specloop.sampling_params import SamplingParams
-from specloop.scheduling.request import RequestOutput
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0  # a replica's start-up: loading a large checkpoint, capturing CUDA graphs
@@ -60,7 +59,7 @@ def replica_devices(device: str, size: int, cuda_devices: int) -> list[str]:
     return [f"cuda:{i}" for i in range(size)]
 
 
-class DataParallelEngine:
+class DataParallelEngine(Generates):
     def __init__(self, config: EngineConfig, size: int, start_timeout_s: float = START_TIMEOUT_S) -> None:
         """Start `size` replicas of the engine `config` describes and wait until each is built;
         a replica's start-up error is raised here (after the others are stopped)."""
@@ -141,16 +140,6 @@ class DataParallelEngine:
                 raise EngineDeadError("the engine stopped: no data-parallel replica is alive")
             owned = self.replicas[index].take(rid, work)
         return await self.replicas[index].add(rid, ids, params, owned)
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's incremental outputs; leaving the iterator early aborts it."""
-        stream = await self.add(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request on the replica that serves it (its stream gets the final output)."""
