@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from specloop.kernels.chunk_attention import (
-    NEVER, ChunkLaunch, chunk_launch, seal_reach, tile_rows_for, two_source_attention, two_source_chunks_triton,
+    ChunkLaunch, chunk_launch, tile_rows_for, two_source_attention, two_source_chunks_triton,
 )
 from specloop.kernels.packed_keys import read_keys
 
@@ -77,16 +77,24 @@ class ChunkReads:
     reach: torch.Tensor  # [C] int32: `chunk_attention.seal_reach`
 
 
-def chunk_reads(planes: Any, chunk: PromptChunk, positions: torch.Tensor) -> ChunkReads:
-    """The chunk's reads (`planes`: the `PackedResiduals`; `positions`: the pass's rows'
-    positions); no host sync."""
-    device = positions.device
-    keys = torch.arange(chunk.context, device=device)
-    one = lambda value: torch.full((1,), value, dtype=torch.long, device=device)  # noqa: E731
-    seals = planes.seals(one(chunk.cell), chunk.depth, keys[None])[0].clamp(max=NEVER).to(torch.int32)
-    rows = positions[chunk.first: chunk.first + chunk.rows]
-    last = rows.max()[None]
-    return ChunkReads(one(chunk.cell), one(chunk.depth), last, one(chunk.table), seals, seal_reach(seals, last))
+def chunk_reads(planes: Any, chunks: list[PromptChunk], positions: torch.Tensor) -> list[ChunkReads]:
+    """Every chunk's reads of a pass (`planes`: the `PackedResiduals`; `positions`: the pass's
+    rows' positions), computed together: one copy of the chunks' host integers, one seal
+    lookup over [chunks, longest context] (each chunk's keys at its own depth), one
+    `seal_reach` over the rows; each chunk's fields are views of those (about 14 device ops a
+    chunk before, each a launch on a GPU host). No host sync."""
+    device, n = positions.device, len(chunks)
+    longest = max(chunk.context for chunk in chunks)
+    host = torch.tensor([[c.cell for c in chunks], [c.depth for c in chunks], [c.table for c in chunks]])
+    ints = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    cells, depths, tables = ints
+    keys = torch.arange(longest, device=device).expand(n, longest)
+    seals = planes.seals(cells, depths, keys).to(torch.int32)  # [n, longest]; a seal is at most NEVER
+    last = torch.stack([positions[c.first: c.first + c.rows].max() for c in chunks])  # [n]
+    # `chunk_attention.seal_reach` along each row: a row's prefix [0, C) is its chunk's
+    reach = torch.where(seals <= last[:, None], seals, -1).cummax(1).values.to(torch.int32)
+    return [ChunkReads(cells[b:b + 1], depths[b:b + 1], last[b:b + 1], tables[b:b + 1], seals[b, :c.context],
+                       reach[b, :c.context]) for b, c in enumerate(chunks)]
 
 
 @dataclasses.dataclass

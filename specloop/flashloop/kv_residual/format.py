@@ -100,7 +100,7 @@ class PackedPlanes(PagedKV):
                                     exact_gap=self.planes.tail)
         if state.chunks:
             if not state.reads:  # the pass's first layer
-                state.reads = [chunk_reads(self.planes, chunk, state.positions) for chunk in state.chunks]
+                state.reads = chunk_reads(self.planes, state.chunks, state.positions)
                 state.batches = chunk_batches(state.chunks, state.reads)
             attend_chunks(self.planes, layer, q, out, self.k[layer], self.v[layer], state.tables, self.page_size,
                           state.chunks, state.reads, state.batches, state.positions)
