@@ -62,6 +62,7 @@ SLOW = (
     "tests/test_server_queue.py",  # 8
     "tests/test_fault_injection.py::test_server_with_a_forward_fault_fails_every_request_and_exits_1",  # 9
     "tests/test_data_parallel.py::test_serve_with_two_replicas_survives_a_failed_replica",  # 14: a real server
+    "tests/test_data_parallel_failures.py",  # 25: replica processes
     "tests/test_cli.py::test_engine_death_stops_the_server_with_exit_1",  # 8
     "tests/test_cli.py::test_api_key_and_positional_model",  # 6
     "tests/test_prompt_bound.py::test_no_token_covers_more_than_the_longest[shipped]",  # 7

@@ -8,7 +8,10 @@ with `call_soon_threadsafe`, as `AsyncEngine`'s engine thread does.
 When the replica dies (it reports `Died`, or its pipe closes because the process
 exited or was killed), only its own requests end: each open stream gets the error,
 each add still waiting for its answer raises `EngineDeadError`, and the router stops
-choosing it (`load.alive` turns false). The others serve on.
+choosing it (`load.alive` turns false). The others serve on. A replica whose pipe closed
+while its process lives on (the server can no longer hear it, or no longer reach it) is
+killed, and every replica's process is reaped once its pipe closed: none lives on unseen,
+holding its device, and none stays a zombie.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from specloop.sampling_params import SamplingParams
 from specloop.scheduling.request import RequestOutput
 
 log = logging.getLogger(__name__)
-JOIN_S = 5.0  # after its pipe closed: how long the replica's exit status is waited for
+JOIN_S = 5.0  # after its pipe closed: how long the replica's exit status is waited for (then it is killed)
+CUT = "its command pipe closed while the process still ran; it was killed"
 
 
 @dataclasses.dataclass
@@ -66,6 +70,7 @@ class ReplicaHandle:
         self._pending: dict[str, concurrent.futures.Future] = {}  # adds waiting for Accepted / Refused
         self._started = threading.Event()  # Ready came, or the replica died
         self._ended = threading.Event()  # the reader saw the process exit and ended its requests
+        self._cut = False  # the sender killed it: it could no longer take commands
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or thread state
         commands_in, self._commands = context.Pipe(duplex=False)
         self._events, events_out = context.Pipe(duplex=False)
@@ -185,7 +190,11 @@ class ReplicaHandle:
         while (data := self._outbox.get()) is not None:
             try:
                 self._commands.send_bytes(data)
-            except OSError:  # the replica is gone; the reader reports why
+            except OSError:  # the replica closed its end: gone, or deaf; the reader reports why
+                if not self.stopping:  # (a deaf one would never answer: end it, so the reader sees it end)
+                    log.error("data-parallel replica %d closed its command pipe; killing it", self.index)
+                    self._cut = True
+                    self.process.kill()
                 break
         self._commands.close()  # after a Stop: the replica reads what was sent, then sees the end
 
@@ -204,11 +213,23 @@ class ReplicaHandle:
             error = exc
             self.process.kill()
         self._events.close()
-        self.process.join(JOIN_S)
+        code = self._reap()
         if error is None and not self.stopping:
-            error = EngineDeadError(_exit_reason(self.process.exitcode))
+            error = EngineDeadError(CUT if self._cut and code == -signal.SIGKILL else _exit_reason(code))
         self._die(error)
         self._ended.set()
+
+    def _reap(self) -> int | None:
+        """Wait for the process to exit now that its event pipe closed; kill it if it still runs after
+        JOIN_S (it can report nothing any more), so that it neither lives on unseen nor stays a zombie.
+        Returns its exit status before any kill here (None: it still ran)."""
+        self.process.join(JOIN_S)
+        code = self.process.exitcode
+        if code is None:
+            log.error("data-parallel replica %d closed its event pipe but still runs; killing it", self.index)
+            self.process.kill()
+            self.process.join(JOIN_S)
+        return code
 
     def _handle(self, event: wire.Event) -> None:
         if isinstance(event, wire.Ready):
@@ -272,7 +293,7 @@ def _put(owned: _Owned, item: RequestOutput | BaseException) -> None:
 
 def _exit_reason(code: int | None) -> str:
     if code is None:
-        return "its pipe closed while the process still runs"
+        return "its pipe closed while the process still ran; it was killed"
     if code < 0:
         return f"its process was killed by signal {signal.Signals(-code).name}"
     return f"its process exited with status {code}"

@@ -3,9 +3,10 @@
 It runs `serve_replica` as the target of a spawned process. Between steps it handles every
 command waiting on its pipe (blocking while it has no work); after each step it sends the
 step's outputs and its statistics. A command it cannot decode, a step that raises or a
-start-up failure ends it: it sends `Died` (when the pipe still works) and exits with
-status 1. The server's end of the command pipe closing (the server died) ends it too, so
-no replica outlives its server.
+start-up failure (up to and including sending `Ready`) ends it: it sends `Died` (when the
+pipe still works) and exits with status 1; an add that raises fails only that request. The
+server's end of the command pipe closing (the server died) ends it too, so no replica
+outlives its server.
 
 Test-only: $SPECLOOP_FAULTS arms `specloop.engine.faults` on replica 0 alone, so a test can
 watch one replica of a running server die.
@@ -25,7 +26,7 @@ from specloop.engine import faults
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.engine.data_parallel import wire
-from specloop.errors import SpecloopError
+from specloop.errors import RequestFailedError, SpecloopError
 from specloop.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,14 +46,16 @@ def serve_replica(index: int, config: EngineConfig, cpu_threads: int, commands: 
     server drains in-flight requests before it stops its replicas (or dies, closing the pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
+    try:  # (Ready too: a failure after the engine is built must reach the server as `Died`, with its cause)
         core = _start(index, config, cpu_threads)
+        events.send_bytes(wire.encoder.encode(wire.Ready(
+            os.getpid(), core.model.config.vocab_size, core.max_model_len, core.max_request_tokens,
+            core.max_prompt_chars, core.resolved, core.stats())))
     except BaseException as exc:
+        if not isinstance(exc, SpecloopError):  # a bug, not a bad checkpoint or option: keep its traceback
+            log.exception("replica %d failed to start", index)
         _send_died(events, exc)
         sys.exit(EXIT_FAILED)
-    events.send_bytes(wire.encoder.encode(wire.Ready(
-        os.getpid(), core.model.config.vocab_size, core.max_model_len, core.max_request_tokens,
-        core.max_prompt_chars, core.resolved, core.stats())))
     try:
         _loop(core, commands, events)
     except _Stopped:
@@ -101,9 +104,15 @@ def _run_commands(core: EngineCore, commands: Connection, events: Connection, bl
 
 
 def _add(core: EngineCore, command: wire.Add, events: Connection) -> None:
+    """Add a request and answer `Accepted`, or `Refused` when adding it raised anything: a plain exception
+    (a bug) fails that request alone, as a `RequestFailedError` (a 500), and the replica serves on, as
+    `AsyncEngine` does."""
     try:
         core.add_request(command.request_id, command.prompt_ids, SamplingParams(**command.params))
-    except SpecloopError as exc:
+    except Exception as exc:
+        if not isinstance(exc, SpecloopError):
+            log.exception("adding request %s failed", command.request_id)
+            exc = RequestFailedError(f"the request failed while being added: {type(exc).__name__}: {exc}")
         events.send_bytes(wire.encoder.encode(wire.Refused(command.request_id, wire.failure_of(exc))))
         return
     events.send_bytes(wire.encoder.encode(wire.Accepted(command.request_id, core.stats())))
