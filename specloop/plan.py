@@ -92,12 +92,17 @@ class RecordUpdate:
     `tables[plane]` names the records of groups first, first + 1, ...; `fresh`: the
     request's cell starts over (its rows, maps and records are reset first); `truncate`:
     speculation rolled back, so rows at positions >= it are dropped before anything else.
-    `first[plane]`: planes grow by different counts (token-sparse planes hold fewer rows)."""
+    `first[plane]`: planes grow by different counts (token-sparse planes hold fewer rows).
+    `adopt`: the request starts with that many positions of cached prefix pages
+    (`adopt_tables[plane]`, their pages) whose rows and groups its planes take and encode
+    first (prefix caching)."""
 
     fresh: bool
     first: list[int]
     tables: list[list[int]]
     truncate: int | None = None  # rejected candidates: rows at positions >= it leave every plane first
+    adopt: int = 0
+    adopt_tables: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -310,9 +310,7 @@ def test_snapshot_of_a_request_holding_shared_pages(tiny_ckpt, uncached):
     assert out["r0"][0] + rest.get("r0", ([], []))[0] == want["r0"][0]
 
 
-def test_the_cache_refuses_int4_residuals_and_windows_across_blocks():
-    with pytest.raises(ConfigError, match="kv_residual_quantization"):
-        EngineConfig(model="m", enable_prefix_caching=True, kv_residual_quantization={})
+def test_the_cache_refuses_windows_across_blocks():
     with pytest.raises(ConfigError, match="multiple of block_size"):
         EngineConfig(model="m", enable_prefix_caching=True, block_size=16, token_sparse_prefill={"window": 40})
     EngineConfig(model="m", enable_prefix_caching=True, block_size=16, token_sparse_prefill={"window": 64})

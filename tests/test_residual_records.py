@@ -68,17 +68,17 @@ def test_sparse_planes_take_records_for_their_budgets():
     assert [len(t) for t in records.tables("r")] == [128, 128, 32, 13]
     records.ensure("r", 8192 + 100)  # 100 generated tokens: 2 more records in each plane
     assert [len(t) for t in records.tables("r")] == [130, 130, 34, 15]
-    fresh, first, tables, truncate = records.pending("r")
+    fresh, first, tables, truncate, _ = records.pending("r")
     assert fresh and first == [0] * PLANES and truncate is None
     assert [len(t) for t in tables] == [130, 130, 34, 15]
     records.ensure("r", 8192 + 200)
-    fresh, first, tables, truncate = records.pending("r")
+    fresh, first, tables, truncate, _ = records.pending("r")
     assert not fresh and first == [130, 130, 34, 15] and [len(t) for t in tables] == [2, 2, 2, 2]
     # a rollback to a position in the prompt keeps what its rows below need, per plane
     free = records.num_free
     records.truncate("r", 1000)
     assert [len(t) for t in records.tables("r")] == [16, 16, 4, 2]  # 1000 rows; 512 + 128 kept; 52 + 52
-    fresh, first, tables, truncate = records.pending("r")
+    fresh, first, tables, truncate, _ = records.pending("r")
     assert not fresh and first == [16, 16, 4, 2] and all(not t for t in tables) and truncate == 1000
     assert records.num_free - free == (132 + 132 + 36 + 17) - (16 + 16 + 4 + 2)
     records.free("r")
@@ -112,7 +112,7 @@ def test_a_rollback_keeps_records_for_the_pages_kept_and_frees_the_rest_once_sen
     records.truncate("r", 94, 96)
     assert [len(t) for t in records.tables("r")] == [2, 2, 2, 1]
     assert records.num_free == free and records.held("r") == 14
-    fresh, first, tables, truncate = records.pending("r")
+    fresh, first, tables, truncate, _ = records.pending("r")
     assert truncate == 94 and first == [2, 2, 2, 1] and not any(tables)
     assert records.num_free == free + 7 and records.held("r") == 7
     records.truncate("r", 50)  # dropped records a free() returns too

@@ -43,7 +43,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
     preemption_mode: str = "recompute"  # KV pages ran out: recompute (re-enter its tokens) | swap (snapshot to host)
-    enable_prefix_caching: bool = False  # share full prompt blocks' KV between requests (BF16 pages only; off until
+    enable_prefix_caching: bool = False  # share full prompt blocks' KV between requests (off until
     # measured on the GPU)
     tensor_parallel_size: int = 1  # ranks the model's heads and MLP columns are split over (gloo on CPU, NCCL on CUDA)
     # FlashLoop groups (off by default): a dict, a JSON object string or the group's dataclass.
@@ -90,15 +90,17 @@ class EngineConfig:
 
     def _check_prefix_caching(self) -> None:
         """Prefix caching shares prompt blocks: with token-sparse prefill whole windows of
-        them; INT4 residual records are not shared yet."""
+        them; with INT4 residuals the BF16 pages (each reader encodes its own records), not
+        together with token-sparse prefill yet."""
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not self.enable_prefix_caching:
             return
-        if self.kv_residual_quantization.enabled:
-            raise ConfigError("enable_prefix_caching does not work with kv_residual_quantization yet (INT4 residual "
-                              "records are not shared between requests); turn one of them off")
         tsp = self.token_sparse_prefill
+        if self.kv_residual_quantization.enabled and tsp.active:
+            raise ConfigError("enable_prefix_caching does not work with kv_residual_quantization and "
+                              "token_sparse_prefill together yet (a cached prefix's rows at a sparse plane are the "
+                              "selection's, which the cache does not keep); turn one of the three off")
         if tsp.active and tsp.window % self.block_size:
             raise ConfigError(f"enable_prefix_caching with token_sparse_prefill needs a window that is a multiple of "
                               f"block_size ({self.block_size}), got {tsp.window}: only whole windows are shared (a "

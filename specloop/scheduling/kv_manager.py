@@ -383,8 +383,10 @@ class KVManager:
             raise ValueError(f"request {rid!r} already has KV state")
         if any(len(block) != self.num_planes for block in prefix):
             raise ValueError(f"a prefix block is one page per plane ({self.num_planes}), got {list(prefix)}")
-        if prefix and self.records is not None:
-            raise ValueError("shared prefix pages need a KV format without group records")
+        covered = len(prefix) * self.block_size
+        if covered and self.records is not None and \
+                self.records.records_for(None, covered, prompt_len) > self.records.num_free:
+            raise OutOfPages(f"request {rid!r}: not enough free INT4 residual records for its cached prefix")
         shared = [page for block in prefix for page in block]
         self.allocator.incref(shared)  # first: the cache cannot evict them for this request's own pages
         needed = self.pages_for(reserve_tokens)
@@ -396,11 +398,11 @@ class KVManager:
             )
         self._reclaim(outstanding)
         tables = [[block[plane] for block in prefix] for plane in range(self.num_planes)]
-        covered = len(prefix) * self.block_size
         self._requests[rid] = _RequestKV(needed, tables, [covered] * self.num_planes, [0] * self.num_planes)
         self._outstanding += outstanding
-        if self.records is not None:
-            self.records.add(rid, prompt_len)
+        if self.records is not None:  # its own records for the prefix's groups, encoded from the shared pages
+            self.records.add(rid, prompt_len, adopt=covered)
+            self.records.ensure(rid, covered)
 
     def add_restored(self, rid: str, pages_per_plane: int, released: list[int], prompt_len: int = 0) -> None:
         """Admit `rid` (a snapshot restore) covering `pages_per_plane` pages a plane, of
@@ -521,7 +523,13 @@ class KVManager:
     def pending_records(self, rid: str) -> RecordUpdate | None:
         """What the request's next group carries to the device of its records (None: no record
         pool, or nothing new); marks it sent."""
-        return self.records.update(rid) if self.records is not None else None
+        if self.records is None:
+            return None
+        update = self.records.update(rid)
+        if update is not None and update.adopt:  # the shared pages its planes' groups encode from
+            pages = _ceil_div(update.adopt, self.block_size)
+            update = dataclasses.replace(update, adopt_tables=[table[:pages] for table in self._get(rid).tables])
+        return update
 
     # ----- per-request views -----
 

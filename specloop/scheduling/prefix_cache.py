@@ -53,9 +53,11 @@ Integration (`Scheduler`, `KVManager`; the engine option `enable_prefix_caching`
   note on invariant 3);
 - token-sparse prefill: a window's selection depends on every token of the window, so
   the scheduler looks up and offers whole windows only (`PromptPlanning.shared_prefix`);
-- INT4 residual records (`kv_residual_quantization`: planes release their leading pages,
-  records follow groups) are a later concern; until then `EngineConfig` refuses caching
-  with them (a salt keeps identities apart, it does not make those blocks reusable).
+- INT4 residuals (`kv_residual_quantization`): the cache holds the BF16 pages as ever; a
+  request keeps its prompt pages until it has offered them (its planes would otherwise give
+  them back as its groups seal), and a request that hits them encodes its own group records
+  from them (records are never shared: `PackedResiduals.adopt`). Not with token-sparse
+  prefill or adaptive exit yet (which deep rows exist there is not kept).
 
 Costs: `lookup`, `touch`, `publish` and `acquire` are O(blocks touched). `evict` walks
 the recency order from its old end and stops once it has freed enough: O(blocks freed +

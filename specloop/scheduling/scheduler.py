@@ -27,7 +27,7 @@ storage, `swap_out`, and restores it at admission, `swap_in`), so preempted requ
 resume before new admissions. Growing there, before any controller plans, keeps planning free
 of page failures: `build_group` only draws on pages already covered.
 
-Automatic prefix caching (`prefix_cache`, BF16 pages only): a request's prompt is cut into
+Automatic prefix caching (`prefix_cache`, BF16 pages): a request's prompt is cut into
 full blocks named by chained hashes, computed once (`Request.block_hashes`). At admission
 the cached leading blocks, up to the one before the block holding its last host token
 (that token's final hidden state feeds the head, so it is always computed), become the head
@@ -41,7 +41,9 @@ finishes it at the last depth has completed (`_completed_blocks`): at that ticke
 for why then). A request restored from a snapshot holds fresh pages and offers its blocks
 (`restored`). Only what the prompt planning calls shareable is looked up or offered
 (`PromptPlanning.shared_prefix`): every block, or whole windows of them with token-sparse
-prefill.
+prefill. With INT4 residuals (planes give their leading pages back) a request keeps its
+prompt pages until it has offered them (`_unpublished`), and one that hits them encodes its
+own records from them (`KVManager.add_request`, the KV format's `adopt`).
 """
 
 from __future__ import annotations
@@ -270,26 +272,28 @@ class Scheduler:
             return self.kv.can_take(self.kv.pages_for(req.reserve_tokens) - shared, hits)
         spare = self.watermark_pages if self.running else 0  # a lone request may use the whole pool
         if self.kv.releases_tails:
-            return self._prompt_fits(req, spare)
+            return self._prompt_fits(req, spare, hits)
         tokens = min(self._prompt_cover(req, req.num_host_tokens) + self.kv.block_size, req.reserve_tokens)
         if not self.kv.records_free_for(tokens, len(req.prompt_ids)):
             return False
         return self.kv.can_take(self.kv.pages_for(tokens) - shared + spare, hits)
 
-    def _prompt_fits(self, req: Request, spare: int) -> bool:
+    def _prompt_fits(self, req: Request, spare: int, hits: list[bytes]) -> bool:
         """With a KV format whose prompts grow a plan at a time (INT4 residuals): admit only
         while the prompts already entering theirs can still reach their pages at once and
         records for their whole prompt with this one's added, so prompts growing together
         never preempt each other (before 2026-12-06 admission counted a prompt's first plan
-        only: 32 prompts of 8K on the H200 took 27 preemptions, each recomputing its prompt)."""
-        pages = self.kv.pages_at_once(req.reserve_tokens)
+        only: 32 prompts of 8K on the H200 took 27 preemptions, each recomputing its prompt).
+        Pages the prefix cache can evict count as room (its `hits` excepted), as elsewhere."""
+        shared = len(hits) * self.kv.num_planes  # cached pages it takes references on, not new ones
+        pages = min(self.kv.pages_at_once(req.reserve_tokens), self.kv.pages_for(req.reserve_tokens) - shared)
         records = self.kv.records_for_new(req.num_host_tokens, len(req.prompt_ids))
         for r in self.running:
             if self.kv.frontier(r.kv_key, 0) < r.num_host_tokens:  # still entering its prompt
                 more_pages, more_records = self.kv.prompt_claim(r.kv_key, r.reserve_tokens, r.num_host_tokens)
                 pages += more_pages
                 records += more_records
-        return records <= self.kv.num_free_records and pages + spare <= self.kv.num_available_pages
+        return records <= self.kv.num_free_records and self.kv.can_take(pages + spare, hits)
 
     def _admit(self) -> list[Request]:
         """Admit from the head of the queue while there is room; returns the admitted."""
@@ -375,6 +379,11 @@ class Scheduler:
         hashes, first = req.block_hashes, req.published_blocks
         done = min(done, self._usable_hits(req, len(hashes)))
         if done <= first:
+            return []
+        if any(self.kv.released(req.kv_key, p) > first for p in range(self.num_loops)):
+            # pages given back before it was offered (a restored snapshot of INT4 residuals): the
+            # chain is broken there, and later blocks could never be reached
+            req.published_blocks = self._usable_hits(req, len(hashes))
             return []
         tables = [self.kv.page_table(req.kv_key, plane) for plane in range(self.num_loops)]
         req.published_blocks = done
@@ -517,6 +526,9 @@ class Scheduler:
             key = req.kv_key
             frontiers = [self.kv.frontier(key, p) for p in range(self.num_loops)]
             frontiers = self.prompts.release_frontiers(frontiers)
+            hold = self._unpublished(req)
+            if hold is not None:  # prompt pages wait for the prefix cache (`_unpublished`)
+                frontiers = [min(f, hold) for f in frontiers]
             released = [self.kv.released(key, p) for p in range(self.num_loops)]
             # a speculating request's rows past its committed tokens are candidates: no group
             # holding one may seal (the serial policy); every other row is committed
@@ -524,6 +536,18 @@ class Scheduler:
             # a rollback re-runs positions from the committed ones on: no earlier query than that
             scans.append(ReleaseScan(key, cell, [min(f, committed) for f in frontiers], released, committed))
         return scans
+
+    def _unpublished(self, req: Request) -> int | None:
+        """With prefix caching and planes that give pages back (INT4 residuals): the first
+        position of the request's first prompt block not offered to the cache yet, while it
+        has blocks to offer (None: nothing to hold). Pages from there on stay until their
+        block is offered (a reader encodes its own groups from them), since a shallow plane
+        would otherwise give its pages back before the deepest plane had finished them."""
+        if self.prefix_cache is None or req.block_hashes is None:
+            return None
+        if req.published_blocks >= self._usable_hits(req, len(req.block_hashes)):
+            return None
+        return req.published_blocks * self.kv.block_size
 
     def _entry_rows(self, req: Request, start: int, rows: int, may_start: bool = True) -> int:
         """How many of `rows` positions from `start` can enter depth 0 now: each needs a token

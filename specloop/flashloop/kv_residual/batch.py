@@ -62,6 +62,11 @@ class ResidualUpdate:
     resets: torch.Tensor  # [R] long
     assign: torch.Tensor  # [A, 4] long
     truncate: torch.Tensor  # [U, 2] long: (cell, keep): rows at positions >= keep leave every plane
+    # cached prefixes (`RecordUpdate.adopt`): [D, 2 + P] long (cell, length, each plane's offset
+    # into `adopt_tables`), the pages of every plane's prefix end to end, and the longest length
+    adopt: torch.Tensor | None = None
+    adopt_tables: torch.Tensor | None = None
+    adopt_len: int = 0
 
 
 PassInfo = tuple[list[int], list[int], int, tuple[int, ...], PromptChunks]
@@ -94,7 +99,9 @@ class ResidualBatch:
         if self.tail is None:
             return
         for g in plan.groups:
-            if g.records is not None and g.records.fresh:
+            if g.records is not None and g.records.adopt:  # its adopted groups seal in later passes
+                self._backlog[g.cell] = [self.max_len] * self.num_loops
+            elif g.records is not None and g.records.fresh:
                 self._backlog[g.cell] = [0] * self.num_loops
             elif g.cell not in self._backlog:
                 self._backlog[g.cell] = [self.max_len] * self.num_loops
@@ -206,16 +213,27 @@ class ResidualBatch:
             for plane, records in enumerate(g.records.tables):
                 for i, record in enumerate(records):
                     assign += [g.cell, plane, g.records.first[plane] + i, record]
-        out = resets + assign + truncate
+        adopt: list[int] = []  # (cell, length, offsets per plane) per cached prefix, then the pages
+        adopt_pages: list[int] = []
+        for g in plan.groups:
+            if g.records is not None and g.records.adopt:
+                adopt += [g.cell, g.records.adopt]
+                for table in g.records.adopt_tables:
+                    adopt.append(len(adopt_pages))
+                    adopt_pages += table
+        longest = max((g.records.adopt for g in plan.groups if g.records is not None), default=0)
+        out = resets + assign + truncate + adopt + adopt_pages
         bs = self.page_size
         span = max((f - r * bs for scan in plan.releases for f, r in zip(scan.frontiers, scan.released)), default=0)
         span = max(0, min(RELEASE_SPAN, -(-span // bs) * bs))
         for scan in plan.releases:
             out += [scan.cell, scan.committed, *scan.frontiers, *scan.released]
-        return out, (len(resets), len(assign) // 4, len(truncate) // 2, len(plan.releases), span)
+        num_adopt = len(adopt) // (2 + self.num_loops)
+        return out, (len(resets), len(assign) // 4, len(truncate) // 2, num_adopt, len(adopt_pages), longest,
+                     len(plan.releases), span)
 
     def plan_view(self, batch: ForwardBatch, ints: torch.Tensor, sizes: tuple) -> None:
-        num_resets, num_assign, num_truncate, num_scans, span = sizes
+        num_resets, num_assign, num_truncate, num_adopt, num_pages, longest, num_scans, span = sizes
         at = 0
         resets = ints[at: at + num_resets]
         at += num_resets
@@ -223,7 +241,14 @@ class ResidualBatch:
         at += 4 * num_assign
         truncate = ints[at: at + 2 * num_truncate].view(num_truncate, 2)
         at += 2 * num_truncate
-        batch.notes[ResidualUpdate] = ResidualUpdate(resets, assign, truncate)
+        update = ResidualUpdate(resets, assign, truncate)
+        if num_adopt:
+            width = 2 + self.num_loops
+            update.adopt = ints[at: at + width * num_adopt].view(num_adopt, width)
+            at += width * num_adopt
+            update.adopt_tables, update.adopt_len = ints[at: at + num_pages], longest
+            at += num_pages
+        batch.notes[ResidualUpdate] = update
         if num_scans:
             p = self.num_loops
             scans = ints[at: at + num_scans * (2 + 2 * p)].view(num_scans, 2 + 2 * p)

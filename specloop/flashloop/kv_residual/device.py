@@ -4,6 +4,8 @@ encoding plan, and after the passes the tail pages no query reads exact any more
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from specloop.flashloop.kv_residual.batch import ReleaseBatch, ResidualPass, ResidualUpdate
@@ -12,9 +14,13 @@ from specloop.flashloop.kv_residual.planes import NEVER, EncodePlan, PackedResid
 
 
 class ResidualDevice:
-    def __init__(self, store: PackedResiduals, max_cells: int, page_size: int, device: torch.device) -> None:
+    def __init__(self, store: PackedResiduals, max_cells: int, page_size: int, device: torch.device,
+                 pages: Any = None) -> None:
+        """`pages`: the KV format whose BF16 pages (`k`, `v` per layer) a cached prefix's
+        groups encode from (`adopt`)."""
         self.store = store
         self.page_size = page_size
+        self.pages = pages
         # Per request cell and the pad cell: rows at positions below it are committed (set by
         # every call's plan).
         self.committed = torch.full((max_cells + 1,), 2**62, dtype=torch.long, device=device)
@@ -25,6 +31,13 @@ class ResidualDevice:
             self.store.apply(update)
         if release is not None:
             self.committed[release.cells] = release.committed
+        if update is not None and update.adopt is not None:
+            self.adopt(update)
+
+    def adopt(self, update: ResidualUpdate) -> None:
+        """Cached prefixes' rows and groups (`PackedResiduals.adopt`), after the update's
+        records are assigned and the committed lengths set."""
+        self.store.adopt(update, self.pages.k, self.pages.v, self.page_size, self.committed)
 
     def start_pass(self, lp: LoopPass, keep: torch.Tensor | None) -> None:
         if ResidualPass in lp.notes:  # the pass's rows join their planes; groups that turn ready seal

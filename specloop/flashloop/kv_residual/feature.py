@@ -34,6 +34,7 @@ class KVResidualFeature(FeatureDefaults):
         self.planes: PackedResiduals | None = None  # `attach_kv`
         self.upload_ints = 0  # the forward batch's room for its integers (`attach_kv`)
         self._batch: ResidualBatch | None = None
+        self._device: ResidualDevice | None = None  # `device`
         self.prompt_pages = 0  # the pages one prompt's working set may take (`KVManager.prompt_pages`)
         self.num_records = 0  # records of a byte budget (`split`)
         cfg, spec = s.config, s.speculation
@@ -138,6 +139,8 @@ class KVResidualFeature(FeatureDefaults):
         groups = -(-(s.max_model_len + cfg.block_size) // RECORD_ROWS)
         # resets, records, truncates, release scans
         self.upload_ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
+        if cfg.enable_prefix_caching:  # cached prefixes adopted: a cell's length and offsets, its pages
+            self.upload_ints += (2 + planes) * seqs + planes * -(-s.max_model_len // cfg.block_size) * seqs
         self.planes = store
 
     def spans(self, ahead: int) -> list[int]:
@@ -154,7 +157,8 @@ class KVResidualFeature(FeatureDefaults):
         flight delay releases by a plan's advance each past the second. A token-sparse depth
         waits for whole windows, and its groups of rows span more positions. Speculation runs
         at most (tickets in flight + 1) x rows per request past the committed tokens, behind
-        which it releases."""
+        which it releases. With prefix caching every plane keeps its prompt pages until the
+        deepest plane's ticket that finished them is back."""
         cfg = self.s.config
         rows, inflight, planes = cfg.max_num_batched_tokens, cfg.max_inflight_tickets, self.s.model.num_loops
         extra = self.group.tail + 2 * RECORD_ROWS
@@ -163,7 +167,13 @@ class KVResidualFeature(FeatureDefaults):
             extra += (planes - 1) * sparse.window + math.ceil(RECORD_ROWS / min(sparse.retention))
         if self.s.speculation is not None:
             extra += (inflight + 1) * self.s.speculation.rows_per_request
-        return [min(rows, (p + 1) * ahead) + max(1, inflight - 1) * ahead + extra for p in range(planes)]
+        spans = [min(rows, (p + 1) * ahead) + max(1, inflight - 1) * ahead + extra for p in range(planes)]
+        if cfg.enable_prefix_caching:
+            # every plane holds its prompt pages until the deepest finished them and the ticket
+            # that did came back (`Scheduler._unpublished`): the deepest plane's span, and the
+            # plans in flight past it
+            spans = [spans[-1] + (inflight + 1) * ahead] * planes
+        return spans
 
     def kv_format(self, shape: tuple) -> PackedPlanes:
         return PackedPlanes(*shape, self.planes)
@@ -177,7 +187,8 @@ class KVResidualFeature(FeatureDefaults):
 
     def device(self, slots: Any, store: Any) -> ResidualDevice:
         cfg = self.s.config
-        return ResidualDevice(self.planes, cfg.max_num_seqs, cfg.block_size, self.s.device)
+        self._device = ResidualDevice(self.planes, cfg.max_num_seqs, cfg.block_size, self.s.device, store)
+        return self._device
 
     def snapshot_part(self, kv: KVManager, store: Any) -> ResidualPart:
-        return ResidualPart(kv, kv.records, self.planes, self._batch.forget_backlog)
+        return ResidualPart(kv, kv.records, self.planes, self._batch.forget_backlog, self._device.adopt)

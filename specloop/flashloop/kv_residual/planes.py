@@ -197,6 +197,45 @@ class PackedResiduals:
         record = torch.where(drop, tables, torch.full_like(tables, self.sink))
         self.seal.index_fill_(0, record.flatten(), NEVER)  # the sink's seal stays NEVER
 
+    def adopt(self, update: ResidualUpdate, k: list[torch.Tensor] | torch.Tensor, v: list[torch.Tensor] | torch.Tensor,
+              page_size: int, committed: torch.Tensor) -> None:
+        """Cached prefixes (prefix caching): each adopting cell (`update.adopt`: cell, length,
+        its planes' offsets into `update.adopt_tables`) gets a row at every plane for each
+        position below its length (every plane is dense there), and its full groups encode,
+        every layer (k, v: each layer's BF16 pages), from the shared pages into the cell's own
+        records, the records just assigned. Those are the rows, codes and seals its planes
+        would hold had it computed the prefix itself (the same exact values; under the serial
+        policy seals depend on positions only), so it reads what an uncached request reads.
+        Under the execution policy the groups `tail` before the length seal at it (the
+        request's first query), the rest in its later passes (its backlog is every group)."""
+        cells, lens, offsets = update.adopt[:, 0], update.adopt[:, 1], update.adopt[:, 2:]
+        n, planes, longest = cells.numel(), self.num_planes, update.adopt_len
+        if n == 0 or longest == 0:
+            return
+        shape = (n, planes, longest)
+        pos = torch.arange(longest, device=cells.device)
+        depth = torch.arange(planes, device=cells.device)
+        self.append(cells[:, None, None].expand(shape).flatten(), depth[None, :, None].expand(shape).flatten(),
+                    pos[None, None, :].expand(shape).flatten(), (pos[None, None, :] < lens[:, None, None])
+                    .expand(shape).flatten())
+        groups = longest // GROUP  # full groups of the longest prefix (a shorter one's last are not valid)
+        if groups == 0:
+            return
+        g = torch.arange(groups, device=cells.device).repeat(n)
+        cand = cells.repeat_interleave(groups)
+        valid = GROUP * (g + 1) <= lens.repeat_interleave(groups)
+        tables = [offsets[:, p].repeat_interleave(groups) for p in range(planes)]
+        plan = EncodePlan([cand] * planes, [g] * planes, tables, [valid] * planes)
+        committed = committed.clone()  # a prefix is committed whatever the cell last held
+        committed[cells] = torch.maximum(committed[cells], lens)
+        first = None
+        if self.policy == "execution":
+            first = torch.full((self.rows.shape[0], planes), NEVER, dtype=torch.long, device=cells.device)
+            first[cells] = lens[:, None].expand(n, planes)
+        self.plan_encode(plan, committed, first)
+        for layer in range(len(self._views)):
+            self.encode(layer, plan, k[layer], v[layer], update.adopt_tables, page_size)
+
     # --- rows ---------------------------------------------------------------------------
 
     def append(self, cells: torch.Tensor, depths: torch.Tensor, positions: torch.Tensor,

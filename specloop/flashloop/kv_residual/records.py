@@ -12,7 +12,11 @@ fills them in row order and leaves the unused ones empty.
 
 Records reach the device with the plan: a group of a request carries the assignments the
 device has not seen yet (`pending`), and `fresh` when the request's rows start over (a new
-request, or a recompute after preemption), so the runner resets the cell first.
+request, or a recompute after preemption), so the runner resets the cell first. A request
+that starts with a cached prefix (prefix caching: shared BF16 pages, written at every
+plane) carries `adopt`, its length: the device gives it rows for those positions at every
+plane and encodes their full groups into the request's own records from the shared pages,
+as its planes would have held them had it computed the prefix (records are never shared).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class _Tables:
     fresh: bool = True  # the device state of the request's cell must be reset first
     truncate: int | None = None  # a rollback the device has not applied: drop rows at positions >= it
     dropped: list[int] = dataclasses.field(default_factory=list)  # freed once the device drops them
+    adopt: int = 0  # cached prefix positions the device has not taken rows for yet
 
 
 class ResidualRecords:
@@ -85,11 +90,15 @@ class ResidualRecords:
         want = self._groups(tables.prompt_len, num_tokens)
         return sum(max(0, n - len(t)) for n, t in zip(want, tables.records))
 
-    def add(self, rid: str, prompt_len: int) -> None:
-        """Register `rid` with no records (its prompt length sizes its sparse planes)."""
+    def add(self, rid: str, prompt_len: int, adopt: int = 0) -> None:
+        """Register `rid` with no records (its prompt length sizes its sparse planes);
+        `adopt`: it starts with that many cached prefix positions (every plane dense there)."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already has residual records")
-        self._requests[rid] = _Tables([[] for _ in range(self.num_planes)], prompt_len, [0] * self.num_planes)
+        if adopt and self.windows is not None:
+            raise ValueError("a cached prefix needs dense planes (token-sparse planes' rows are the selection's)")
+        self._requests[rid] = _Tables([[] for _ in range(self.num_planes)], prompt_len, [0] * self.num_planes,
+                                      adopt=adopt)
 
     def ensure(self, rid: str, num_tokens: int) -> None:
         """Records for every row positions [0, num_tokens) may hold, every plane; all or nothing."""
@@ -128,24 +137,24 @@ class ResidualRecords:
             return []
         return self.allocator.decref([r for table in tables.records for r in table] + tables.dropped)
 
-    def pending(self, rid: str) -> tuple[bool, list[int], list[list[int]], int | None]:
-        """(fresh, [plane] -> first group, [plane] -> record ids from it, truncate) the device
-        has not seen; marks them sent (the plan that carries them runs before any later one)
-        and frees the records a truncate dropped (the device drops them before any later
-        plan's assignments)."""
+    def pending(self, rid: str) -> tuple[bool, list[int], list[list[int]], int | None, int]:
+        """(fresh, [plane] -> first group, [plane] -> record ids from it, truncate, adopt) the
+        device has not seen; marks them sent (the plan that carries them runs before any
+        later one) and frees the records a truncate dropped (the device drops them before
+        any later plan's assignments)."""
         tables = self._requests[rid]
-        fresh, first, truncate = tables.fresh, tables.sent, tables.truncate
-        tables.fresh, tables.sent, tables.truncate = False, [len(t) for t in tables.records], None
+        fresh, first, truncate, adopt = tables.fresh, tables.sent, tables.truncate, tables.adopt
+        tables.fresh, tables.sent, tables.truncate, tables.adopt = False, [len(t) for t in tables.records], None, 0
         self.allocator.decref(tables.dropped)
         tables.dropped = []
-        return fresh, first, [t[f:] for t, f in zip(tables.records, first)], None if fresh else truncate
+        return fresh, first, [t[f:] for t, f in zip(tables.records, first)], None if fresh else truncate, adopt
 
     def update(self, rid: str) -> RecordUpdate | None:
         """What the request's next group carries to the device (`pending`), or None when the
         device has seen everything (planes grow apart: sparse planes hold fewer)."""
-        fresh, first, tables, truncate = self.pending(rid)
-        if fresh or any(tables) or truncate is not None:
-            return RecordUpdate(fresh, first, tables, truncate)
+        fresh, first, tables, truncate, adopt = self.pending(rid)
+        if fresh or any(tables) or truncate is not None or adopt:
+            return RecordUpdate(fresh, first, tables, truncate, adopt)
         return None
 
     def tables(self, rid: str) -> list[list[int]]:
@@ -156,7 +165,7 @@ class ResidualRecords:
         """The device already holds every record of the request (a restored snapshot wrote
         them): nothing to reset or send."""
         tables = self._requests[rid]
-        tables.fresh, tables.sent, tables.truncate = False, [len(t) for t in tables.records], None
+        tables.fresh, tables.sent, tables.truncate, tables.adopt = False, [len(t) for t in tables.records], None, 0
 
     def held(self, rid: str) -> int:
         """Records the request holds, those a truncate dropped and the device still names included."""

@@ -42,8 +42,9 @@ class ResidualPart:
     key = "residual"
 
     def __init__(self, kv: KVManager, records: ResidualRecords, store: PackedResiduals,
-                 forget_backlog: Callable[[int], None]) -> None:
-        self.kv, self.records, self.store, self.forget_backlog = kv, records, store, forget_backlog
+                 forget_backlog: Callable[[int], None], adopt: Callable[[ResidualUpdate], None]) -> None:
+        """`adopt`: the device half's, for a cached prefix no plan has brought yet."""
+        self.kv, self.records, self.store, self.forget_backlog, self.adopt = kv, records, store, forget_backlog, adopt
 
     def capture(self, req: Request) -> dict[str, Any]:
         store = self.store
@@ -63,13 +64,26 @@ class ResidualPart:
     def _flush(self, key: str, cell: int) -> None:
         """Apply to the device now what the request's next plan would bring its planes (a
         reset, a rollback's truncate, new records): a snapshot reads the device."""
-        fresh, first, tables, truncate = self.records.pending(key)
+        update = self.kv.pending_records(key)
+        if update is None:
+            return
         device = self.store.seal.device
+        first, tables = update.first, update.tables
         assign = [[cell, plane, first[plane] + i, r] for plane, ids in enumerate(tables) for i, r in enumerate(ids)]
-        self.store.apply(ResidualUpdate(torch.tensor([cell] if fresh else [], dtype=torch.long, device=device),
-                                        torch.tensor(assign, dtype=torch.long, device=device).view(-1, 4),
-                                        torch.tensor([] if truncate is None else [cell, truncate], dtype=torch.long,
-                                                     device=device).view(-1, 2)))
+        truncate = update.truncate
+        apply = ResidualUpdate(torch.tensor([cell] if update.fresh else [], dtype=torch.long, device=device),
+                               torch.tensor(assign, dtype=torch.long, device=device).view(-1, 4),
+                               torch.tensor([] if truncate is None else [cell, truncate], dtype=torch.long,
+                                            device=device).view(-1, 2))
+        self.store.apply(apply)
+        if update.adopt:  # a cached prefix: its rows and groups, as its first plan would bring them
+            offsets = [sum(len(t) for t in update.adopt_tables[:p]) for p in range(len(update.adopt_tables))]
+            apply.adopt = torch.tensor([[cell, update.adopt, *offsets]], dtype=torch.long, device=device)
+            apply.adopt_tables = torch.tensor([page for t in update.adopt_tables for page in t], dtype=torch.long,
+                                              device=device)
+            apply.adopt_len = update.adopt
+            self.adopt(apply)
+            self.forget_backlog(cell)  # (execution policy: its groups not sealed yet seal in its later passes)
 
     def check(self, data: dict[str, Any]) -> None:
         res, rid = data.get("residual"), data["request"]["request_id"]

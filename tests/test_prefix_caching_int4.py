@@ -1,0 +1,176 @@
+"""Prefix caching with INT4 cross-loop KV residuals (`enable_prefix_caching` with
+`kv_residual_quantization`), CPU, tiny random checkpoint, fp32, the torch backend.
+
+The cache shares BF16 pages; a request that hits them gets rows for the cached positions
+at every plane and encodes their full groups into its own records from the shared pages
+(`PackedResiduals.adopt`), so it reads what it would have read had it computed the prefix.
+Requests share a prefix of 150 tokens (two full groups of 64 and 22 more positions, with a
+tail short enough that prompt queries read sealed groups) and are compared with an engine
+without the cache: the same tokens, logprobs within 1e-4, greedy and seeded, in plain, block
+and pipeline modes, one after another and in a burst, and under recompute and swap
+preemption in a small pool. At rest every page is free or held by the cache alone and every
+record is free.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specloop.engine.config import EngineConfig
+from specloop.engine.core import EngineCore
+from specloop.engine.snapshot import RequestSnapshot
+from specloop.errors import ConfigError
+from specloop.flashloop.kv_residual.planes import NEVER
+from tests.engine_runs import MODES, Outputs, assert_same, residual_planes, step_into
+from tests.test_prefix_caching import _params, _run as run_cached
+
+BS = 4
+TAIL = 13  # the serial policy's least with these speculation modes; prompt chunks read sealed groups
+_g = torch.Generator().manual_seed(17)
+SHARED = torch.randint(3, 380, (150,), generator=_g).tolist()
+PROMPTS = [SHARED + [5, 6, 7], SHARED + [8], SHARED + [9, 10, 11, 12, 13, 14], SHARED[:141]]
+BLOCKS = 37  # full shared blocks: (151 - 1) // 4 for r1, 37 for r2 as well; r3 hits (141 - 1) // 4 = 35
+HITS = (37 + 37 + 35) * BS
+MAX_TOKENS = 8
+SMALL_POOL = 45 * 4  # pages a plane x planes: r0 alone holds most of them (every plane keeps its prompt pages
+# until they are cached)
+
+
+def _engine(ckpt, cache: bool, pages: int = 1024, policy: str = "serial", **kw) -> EngineCore:
+    options = {"device": "cpu", "dtype": "float32", "block_size": BS, "num_kv_pages": pages, "max_num_seqs": 8,
+               "max_num_batched_tokens": 48, "attention_backend": "torch",
+               "kv_residual_quantization": {"tail": TAIL, "policy": policy}, **kw}
+    return EngineCore(EngineConfig.from_kwargs(str(ckpt), enable_prefix_caching=cache, **options))
+
+
+def _at_rest(engine: EngineCore) -> None:
+    """Every record is free (records are never shared)."""
+    records = engine.kv.records
+    assert records.num_free == records.num_records
+
+
+@pytest.fixture(scope="module")
+def uncached() -> dict:
+    return {}
+
+
+def _want(memo: dict, key: tuple, run) -> Outputs:
+    if key not in memo:
+        memo[key] = run()
+    return memo[key]
+
+
+@pytest.mark.parametrize("arrival,mode", [("sequential", "plain"), ("burst", "plain"), ("burst", "block-d2"),
+                                          ("burst", "pipeline-d1"), ("sequential", "pipeline-d2")])
+def test_outputs_equal_an_uncached_engine(tiny_ckpt, uncached, arrival, mode):
+    want = _want(uncached, (mode, arrival), lambda: run_cached(_engine(tiny_ckpt, False, **MODES[mode]), PROMPTS,
+                                                               arrival))
+    engine = _engine(tiny_ckpt, True, **MODES[mode])
+    assert_same(run_cached(engine, PROMPTS, arrival), want, 1e-4)
+    assert engine.stats().prefix_cache_hits == HITS
+    _at_rest(engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["plain", "block-d2"])
+def test_on_cuda_with_graphs(tiny_ckpt, mode):
+    """The GPU path: the Triton encoder and plan for the adopted groups, the packed reader
+    and CUDA graphs, fp32: the same tokens as uncached, and hits happen."""
+    cuda = {"device": "cuda", "attention_backend": "triton", **MODES[mode]}
+    want = run_cached(_engine(tiny_ckpt, False, **cuda), PROMPTS, "burst")
+    engine = _engine(tiny_ckpt, True, **cuda)
+    assert engine.resolved.cuda_graphs, "the loop passes must replay as graphs"
+    assert_same(run_cached(engine, PROMPTS, "burst"), want, 1e-4)
+    assert engine.stats().prefix_cache_hits == HITS
+    _at_rest(engine)
+
+
+def test_adopted_groups_are_the_computed_ones(tiny_ckpt):
+    """r1 hits r0's prefix: after its first step its planes hold rows at every cached
+    position and its full groups sealed where an uncached request's are, with the same codes
+    (its own records, encoded from the shared pages)."""
+    def first_step(cache: bool) -> tuple[EngineCore, dict]:
+        engine = _engine(tiny_ckpt, cache)
+        out: Outputs = {}
+        engine.add_request("r0", PROMPTS[0], _params(0))
+        while engine.has_unfinished():
+            step_into(engine, out)
+        engine.add_request("r1", PROMPTS[1], _params(1))
+        if cache:
+            step_into(engine, out)  # the adopting plan
+        else:
+            while _frontier(engine, "r1") < BLOCKS * BS:
+                step_into(engine, out)
+        req = engine.requests["r1"]
+        planes = residual_planes(engine)
+        tables = engine.kv.records.tables(req.kv_key)
+        state = {"rows": planes.rows[req.cell].tolist(), "encoded": planes.encoded[req.cell].tolist(),
+                 "maps": planes.row_maps[req.cell, :, :BLOCKS * BS].clone(),
+                 "seals": [[int(planes.seal[t[g]]) for g in range(2)] for t in tables],
+                 "codes": [planes.k_codes[:, [t[g] for g in range(2)]].clone() for t in tables],
+                 "v": [planes.v_codes[:, [t[g] * 64 + i for g in range(2) for i in range(64)]].clone()
+                       for t in tables]}
+        return engine, state
+
+    cached, got = first_step(True)
+    assert cached.stats().prefix_cache_hits == BLOCKS * BS
+    _, want = first_step(False)
+    assert all(r >= BLOCKS * BS for r in got["rows"]) and all(e >= 2 for e in got["encoded"])
+    assert torch.equal(got["maps"], want["maps"])
+    assert got["seals"] == want["seals"] and all(s < NEVER for plane in got["seals"] for s in plane)
+    for a, b in zip(got["codes"] + got["v"], want["codes"] + want["v"]):
+        assert torch.equal(a, b)
+
+
+def _frontier(engine: EngineCore, rid: str) -> int:
+    """Positions the request has done at the last depth (0 before it is admitted)."""
+    req = engine.requests[rid]
+    if req.kv_key not in engine.kv.requests():
+        return 0
+    return engine.kv.frontier(req.kv_key, engine.kv.num_planes - 1)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_preemption_with_shared_prefixes(tiny_ckpt, uncached, policy):
+    """A small pool, and a preemption forced while r2 holds shared pages and reads its
+    adopted groups (recompute: it adopts them again; swap: restored into fresh pages)."""
+    want = _want(uncached, ("plain", "burst"), lambda: run_cached(_engine(tiny_ckpt, False), PROMPTS, "burst"))
+    engine = _engine(tiny_ckpt, True, pages=SMALL_POOL, preemption_mode=policy)
+    got = run_cached(engine, PROMPTS, "burst", force={20: "r2"})
+    assert_same(got, want, 1e-4)
+    assert engine.stats().num_preemptions >= 1
+    # recompute: r2 looks its prefix up again when it re-enters
+    assert engine.stats().prefix_cache_hits == HITS + (BLOCKS * BS if policy == "recompute" else 0)
+    _at_rest(engine)
+
+
+def test_snapshot_before_the_adopting_plan(tiny_ckpt, uncached):
+    """r1 is admitted with the cached prefix and snapshotted before any plan brought its
+    rows (the snapshot applies the adoption first), aborted and restored: it emits what an
+    uncached run gives."""
+    want = _want(uncached, ("plain", "sequential"),
+                 lambda: run_cached(_engine(tiny_ckpt, False), PROMPTS, "sequential"))
+    engine = _engine(tiny_ckpt, True)
+    out: Outputs = {}
+    engine.add_request("r0", PROMPTS[0], _params(0))
+    while engine.has_unfinished():
+        step_into(engine, out)
+    engine.add_request("r1", PROMPTS[1], _params(1))
+    engine.scheduler._admit()  # admitted: it holds the cached pages, no plan has run
+    assert engine.requests["r1"].status.name == "RUNNING"
+    snap = RequestSnapshot.from_bytes(engine.snapshot("r1").to_bytes())
+    engine.abort("r1")
+    engine.restore(snap)
+    while engine.has_unfinished():
+        step_into(engine, out)
+    assert out["r0"][0] == want["r0"][0] and out["r1"][0] == want["r1"][0]
+    _at_rest(engine)
+
+
+def test_what_it_refuses(tiny_ckpt):
+    with pytest.raises(ConfigError, match="token_sparse_prefill"):
+        EngineConfig(model="m", enable_prefix_caching=True, kv_residual_quantization={},
+                     token_sparse_prefill={"window": 16})
+    with pytest.raises(ConfigError, match="adaptive exit"):
+        _engine(tiny_ckpt, True, exit_threshold=0.5)
