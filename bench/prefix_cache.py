@@ -16,6 +16,7 @@ found) and the prompt token-loops the engine computed (`EngineCore.stats()`). Th
 request's tokens with caching equal those without).
 
 On CPU (`--device cpu`, small numbers) it is a smoke run; its times mean nothing.
+`--kv-residual-quantization '{}'` runs both settings with INT4 residuals.
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def _serve(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int, d
 
 
 def _setting(args, caching: bool, prefix: list[int], suffixes: list[list[int]], warm: list[list[int]]) -> dict:
+    extra = {"kv_cache_bytes": args.kv_bytes} if args.kv_bytes else {}
+    if args.kv_residual_quantization:
+        extra["kv_residual_quantization"] = json.loads(args.kv_residual_quantization)
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                       enable_prefix_caching=caching, **({"kv_cache_bytes": args.kv_bytes} if args.kv_bytes else {}))
+                       enable_prefix_caching=caching, **extra)
     engine = EngineCore(cfg)
     print(f"caching {'on' if caching else 'off'}: engine ready", flush=True)
     _serve(engine, {f"warm{i}": w for i, w in enumerate(warm)}, 4, args.device)
@@ -105,6 +109,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-bytes", type=int, default=None, help="KV pool bytes (default: sized from memory)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-residual-quantization", default=None, help="JSON of the INT4 residual group ('{}': on)")
     args = p.parse_args()
     vocab = load_config(args.model).vocab_size
     gen = torch.Generator().manual_seed(args.seed)
