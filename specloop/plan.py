@@ -166,6 +166,9 @@ class Plan:
     groups: list[RowGroup]
     adaptive_exit: bool
     releases: list[ReleaseScan] = dataclasses.field(default_factory=list)
+    # prompt blocks this plan finishes at the last depth, for the prefix cache once its ticket is
+    # back: (request cell, first position, one page per plane)
+    cached_blocks: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -7,7 +7,8 @@ at every plane and encodes their full groups into its own records from the share
 Requests share a prefix of 150 tokens (two full groups of 64 and 22 more positions, with a
 tail short enough that prompt queries read sealed groups) and are compared with an engine
 without the cache: the same tokens, logprobs within 1e-4, greedy and seeded, in plain, block
-and pipeline modes, one after another and in a burst, and under recompute and swap
+and pipeline modes, with token-sparse prefill and adaptive exit (whose deep planes hold rows
+for some tokens only), one after another and in a burst, and under recompute and swap
 preemption in a small pool. At rest every page is free or held by the cache alone and every
 record is free.
 """
@@ -20,7 +21,6 @@ import torch
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.engine.snapshot import RequestSnapshot
-from specloop.errors import ConfigError
 from specloop.flashloop.kv_residual.planes import NEVER
 from tests.engine_runs import MODES, Outputs, assert_same, residual_planes, step_into
 from tests.test_prefix_caching import _params, _run as run_cached
@@ -168,9 +168,34 @@ def test_snapshot_before_the_adopting_plan(tiny_ckpt, uncached):
     _at_rest(engine)
 
 
-def test_what_it_refuses(tiny_ckpt):
-    with pytest.raises(ConfigError, match="token_sparse_prefill"):
-        EngineConfig(model="m", enable_prefix_caching=True, kv_residual_quantization={},
-                     token_sparse_prefill={"window": 16})
-    with pytest.raises(ConfigError, match="adaptive exit"):
-        _engine(tiny_ckpt, True, exit_threshold=0.5)
+TOKEN_SPARSE = {"window": 8 * BS, "retention": [1, 1, 0.5, 0.25]}
+WINDOW_HITS = (4 + 4 + 4) * 8 * BS  # the whole windows before each later request's last token: 4 of 32 tokens
+
+
+@pytest.mark.parametrize("arrival,mode,keep_last", [("sequential", "plain", False), ("burst", "plain", True),
+                                                    ("burst", "block-d2", False), ("burst", "pipeline-d1", False)])
+def test_token_sparse_prefill(tiny_ckpt, uncached, arrival, mode, keep_last):
+    """Sparse planes hold rows for the kept tokens only, and their groups of 64 rows span
+    windows: a hit adopts the rows its publisher's planes held (noted by the plan that
+    finished each block), so its groups are the uncached request's."""
+    sparse = {"token_sparse_prefill": {**TOKEN_SPARSE, "keep_last": keep_last}, **MODES[mode]}
+    want = _want(uncached, ("sparse", mode, arrival, keep_last),
+                 lambda: run_cached(_engine(tiny_ckpt, False, **sparse), PROMPTS, arrival))
+    engine = _engine(tiny_ckpt, True, **sparse)
+    assert_same(run_cached(engine, PROMPTS, arrival), want, 1e-4)
+    assert engine.stats().prefix_cache_hits == WINDOW_HITS  # (every prompt ends in a partial window)
+    _at_rest(engine)
+
+
+@pytest.mark.parametrize("arrival", ["sequential", "burst"])
+def test_adaptive_exit(tiny_ckpt, uncached, arrival):
+    """Tokens that exit early have no rows at deeper planes: a hit adopts only the rows its
+    publisher's planes held."""
+    want = _want(uncached, ("exit", arrival),
+                 lambda: run_cached(_engine(tiny_ckpt, False, **MODES["exit"]), PROMPTS, arrival))
+    engine = _engine(tiny_ckpt, True, **MODES["exit"])
+    assert_same(run_cached(engine, PROMPTS, arrival), want, 1e-4)
+    assert engine.stats().prefix_cache_hits == HITS
+    rows = residual_planes(engine).page_rows
+    assert not bool(rows.all()), "some tokens exited before the last loop (else this tests nothing)"
+    _at_rest(engine)

@@ -139,11 +139,7 @@ def build_rank(config: EngineConfig, model: OuroModel, device: torch.device, max
     prompts = [p for p in (f.prompts() for f in features) if p is not None]
     assert len(prompts) <= 1, "one feature plans prompts"
     prefix_cache, salt = None, ""
-    if config.enable_prefix_caching:  # (EngineConfig refuses it with INT4 residuals and token-sparse prefill)
-        if config.kv_residual_quantization.enabled and threshold < 1.0:
-            raise ConfigError(f"enable_prefix_caching does not work with kv_residual_quantization and adaptive exit "
-                              f"(exit_threshold {threshold}) together yet: a cached prefix's rows at deep planes "
-                              f"would depend on exits the cache does not keep; set exit_threshold 1.0 or turn one off")
+    if config.enable_prefix_caching:
         prefix_cache = kv.cache = PrefixCache(kv.allocator, mcfg.num_loops, config.block_size)
         salt = identity_salt(prefix_identity(config, model, backend_name(config.attention_backend, device), threshold))
     scheduler = Scheduler(kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,

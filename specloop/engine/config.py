@@ -90,17 +90,12 @@ class EngineConfig:
 
     def _check_prefix_caching(self) -> None:
         """Prefix caching shares prompt blocks: with token-sparse prefill whole windows of
-        them; with INT4 residuals the BF16 pages (each reader encodes its own records), not
-        together with token-sparse prefill yet."""
+        them; with INT4 residuals the BF16 pages (each reader encodes its own records)."""
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not self.enable_prefix_caching:
             return
         tsp = self.token_sparse_prefill
-        if self.kv_residual_quantization.enabled and tsp.active:
-            raise ConfigError("enable_prefix_caching does not work with kv_residual_quantization and "
-                              "token_sparse_prefill together yet (a cached prefix's rows at a sparse plane are the "
-                              "selection's, which the cache does not keep); turn one of the three off")
         if tsp.active and tsp.window % self.block_size:
             raise ConfigError(f"enable_prefix_caching with token_sparse_prefill needs a window that is a multiple of "
                               f"block_size ({self.block_size}), got {tsp.window}: only whole windows are shared (a "

@@ -56,8 +56,8 @@ Integration (`Scheduler`, `KVManager`; the engine option `enable_prefix_caching`
 - INT4 residuals (`kv_residual_quantization`): the cache holds the BF16 pages as ever; a
   request keeps its prompt pages until it has offered them (its planes would otherwise give
   them back as its groups seal), and a request that hits them encodes its own group records
-  from them (records are never shared: `PackedResiduals.adopt`). Not with token-sparse
-  prefill or adaptive exit yet (which deep rows exist there is not kept).
+  from them (records are never shared: `PackedResiduals.adopt`), with rows where the
+  publisher's planes had them (noted per page slot by the plan that finished the block).
 
 Costs: `lookup`, `touch`, `publish` and `acquire` are O(blocks touched). `evict` walks
 the recency order from its old end and stops once it has freed enough: O(blocks freed +

@@ -343,9 +343,9 @@ class Scheduler:
         cache: all of them, or whole windows of them with token-sparse prefill."""
         return self.prompts.shared_prefix(req, blocks * self.kv.block_size) // self.kv.block_size
 
-    def _completed_blocks(self, groups: list[RowGroup]) -> list[PublishedBlock]:
-        """The full prompt blocks this plan completes, as `PrefixCache.publish` takes them
-        (hash, one page per plane, parent hash): those of its groups that finish positions at
+    def _completed_blocks(self, groups: list[RowGroup]) -> list[tuple[Request, int, PublishedBlock]]:
+        """The full prompt blocks this plan completes, each with its request and index, as
+        `PrefixCache.publish` takes them (hash, one page per plane, parent hash): those of its groups that finish positions at
         the last depth. The plan writes them; earlier plans wrote them at shallower depths (a
         row is planned only once its previous depth was), and with adaptive exit a token that
         exited at depth e wrote its K/V into every deeper plane in the pass where it exited,
@@ -370,7 +370,9 @@ class Scheduler:
             if req is None or req.block_hashes is None or group.last_depth != self.num_loops - 1 \
                     or not group.completes:
                 continue
-            blocks += self._blocks_up_to(req, group.end // self.kv.block_size)
+            first = req.published_blocks
+            blocks += [(req, first + i, block)
+                       for i, block in enumerate(self._blocks_up_to(req, group.end // self.kv.block_size))]
         return blocks
 
     def _blocks_up_to(self, req: Request, done: int) -> list[PublishedBlock]:
@@ -401,6 +403,11 @@ class Scheduler:
             return
         req.block_hashes = block_hashes(req.prompt_ids, self.kv.block_size, self.prefix_salt)
         req.published_blocks = 0
+        if self.kv.releases_tails:
+            # INT4 residuals: a block goes to the cache with the device's note of which of its
+            # rows each plane holds, made by the plan that finished it; a restore has none
+            req.published_blocks = self._usable_hits(req, len(req.block_hashes))
+            return
         last = self.kv.frontier(req.kv_key, self.num_loops - 1)
         self._publish(self._blocks_up_to(req, last // self.kv.block_size))
 
@@ -501,12 +508,14 @@ class Scheduler:
         if self.kv.releases_tails:
             plan.releases = self._release_scans(groups)
         completed = self._completed_blocks(groups)
+        if completed and self.kv.releases_tails:  # (INT4 residuals: the device notes which rows they hold)
+            plan.cached_blocks = [(req.cell, i * self.kv.block_size, block[1]) for req, i, block in completed]
         self._next_ticket += 1
         if release:  # token slots that finished the last depth return once the ticket completes
             self.token_slots.finish(release)
             self._defer(lambda: self.token_slots.release(release))
         if completed:  # full prompt blocks go to the prefix cache once the ticket wrote them
-            self._defer(lambda: self._publish(completed))
+            self._defer(lambda: self._publish([block for _, _, block in completed]))
         return plan
 
     def _release_scans(self, groups: list[RowGroup]) -> list[ReleaseScan]:

@@ -67,6 +67,9 @@ class ResidualUpdate:
     adopt: torch.Tensor | None = None
     adopt_tables: torch.Tensor | None = None
     adopt_len: int = 0
+    # prompt blocks the plan finishes for the prefix cache (`Plan.cached_blocks`): [B, 2 + P] long
+    # (cell, first position, each plane's page); after the passes the planes note their rows
+    cached: torch.Tensor | None = None
 
 
 PassInfo = tuple[list[int], list[int], int, tuple[int, ...], PromptChunks]
@@ -222,7 +225,8 @@ class ResidualBatch:
                     adopt.append(len(adopt_pages))
                     adopt_pages += table
         longest = max((g.records.adopt for g in plan.groups if g.records is not None), default=0)
-        out = resets + assign + truncate + adopt + adopt_pages
+        cached = [x for cell, start, pages in plan.cached_blocks for x in (cell, start, *pages)]
+        out = resets + assign + truncate + adopt + adopt_pages + cached
         bs = self.page_size
         span = max((f - r * bs for scan in plan.releases for f, r in zip(scan.frontiers, scan.released)), default=0)
         span = max(0, min(RELEASE_SPAN, -(-span // bs) * bs))
@@ -230,10 +234,10 @@ class ResidualBatch:
             out += [scan.cell, scan.committed, *scan.frontiers, *scan.released]
         num_adopt = len(adopt) // (2 + self.num_loops)
         return out, (len(resets), len(assign) // 4, len(truncate) // 2, num_adopt, len(adopt_pages), longest,
-                     len(plan.releases), span)
+                     len(plan.cached_blocks), len(plan.releases), span)
 
     def plan_view(self, batch: ForwardBatch, ints: torch.Tensor, sizes: tuple) -> None:
-        num_resets, num_assign, num_truncate, num_adopt, num_pages, longest, num_scans, span = sizes
+        num_resets, num_assign, num_truncate, num_adopt, num_pages, longest, num_cached, num_scans, span = sizes
         at = 0
         resets = ints[at: at + num_resets]
         at += num_resets
@@ -248,6 +252,10 @@ class ResidualBatch:
             at += width * num_adopt
             update.adopt_tables, update.adopt_len = ints[at: at + num_pages], longest
             at += num_pages
+        if num_cached:
+            width = 2 + self.num_loops
+            update.cached = ints[at: at + width * num_cached].view(num_cached, width)
+            at += width * num_cached
         batch.notes[ResidualUpdate] = update
         if num_scans:
             p = self.num_loops

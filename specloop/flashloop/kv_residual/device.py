@@ -84,6 +84,9 @@ class ResidualDevice:
         return store.plan_encode(plan, self.committed, first)
 
     def finish(self, batch: ForwardBatch, final: torch.Tensor) -> torch.Tensor | None:
+        update = batch.notes.get(ResidualUpdate)
+        if update is not None and update.cached is not None:  # before a release scan can free a page
+            self.store.note_rows(update.cached, self.page_size)
         release = batch.notes.get(ReleaseBatch)
         if release is not None and release.span > 0:
             return self._releasable(release)

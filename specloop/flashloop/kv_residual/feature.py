@@ -133,14 +133,17 @@ class KVResidualFeature(FeatureDefaults):
         else:  # the rest of the byte budget (`split`)
             num_records = self.num_records
         store = PackedResiduals(m.num_hidden_layers, num_records, seqs, planes, s.max_model_len,
-                                m.num_key_value_heads, m.head_dim, group.tail, s.dtype, s.device, group.policy)
+                                m.num_key_value_heads, m.head_dim, group.tail, s.dtype, s.device, group.policy,
+                                num_pages + 1 if cfg.enable_prefix_caching else 0, cfg.block_size)
         kv.records = ResidualRecords(planes, num_records, record_bytes, self.windows)
         kv.plane_spans, kv.aheads, kv.prompt_pages = self.spans, tuple(self._aheads()), self.prompt_pages
         groups = -(-(s.max_model_len + cfg.block_size) // RECORD_ROWS)
         # resets, records, truncates, release scans
         self.upload_ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
-        if cfg.enable_prefix_caching:  # cached prefixes adopted: a cell's length and offsets, its pages
+        if cfg.enable_prefix_caching:  # cached prefixes adopted (a cell's length and offsets, its pages),
+            # and the prompt blocks a plan finishes (cell, position, a page per plane; at most a block per row)
             self.upload_ints += (2 + planes) * seqs + planes * -(-s.max_model_len // cfg.block_size) * seqs
+            self.upload_ints += (2 + planes) * (cfg.max_num_batched_tokens + seqs)
         self.planes = store
 
     def spans(self, ahead: int) -> list[int]:

@@ -92,7 +92,9 @@ class PackedResiduals:
 
     def __init__(self, num_layers: int, num_records: int, num_cells: int, num_planes: int, max_len: int,
                  num_kv_heads: int, head_dim: int, tail: int, dtype: torch.dtype, device: torch.device,
-                 policy: str = "serial") -> None:
+                 policy: str = "serial", num_pages: int = 0, page_size: int = 1) -> None:
+        """`num_pages`, `page_size`: the BF16 pages whose rows a cached prompt block notes
+        (`note_rows`; 0: no prefix caching)."""
         assert head_dim % 2 == 0, "V codes pack two channels a byte"
         assert policy in ("serial", "execution"), policy
         self.policy = policy
@@ -114,6 +116,9 @@ class PackedResiduals:
         self.rows = torch.zeros(cells, num_planes, dtype=torch.long, device=device)
         self.encoded = torch.zeros(cells, num_planes, dtype=torch.long, device=device)
         self.sink = num_records
+        # per BF16 page slot: whether the token there has a row in the page's plane (noted for
+        # prompt blocks the prefix cache takes, read by a request that adopts them)
+        self.page_rows = torch.zeros(num_pages, page_size, dtype=torch.bool, device=device)
         self.pad_cell = num_cells  # holds no rows and no records: its candidates are never ready
         self.num_planes, self.max_len, self.tail, self.dtype = num_planes, max_len, tail, dtype
         # the encoder's and the seal lookups' Triton launches (else their torch references)
@@ -200,10 +205,11 @@ class PackedResiduals:
     def adopt(self, update: ResidualUpdate, k: list[torch.Tensor] | torch.Tensor, v: list[torch.Tensor] | torch.Tensor,
               page_size: int, committed: torch.Tensor) -> None:
         """Cached prefixes (prefix caching): each adopting cell (`update.adopt`: cell, length,
-        its planes' offsets into `update.adopt_tables`) gets a row at every plane for each
-        position below its length (every plane is dense there), and its full groups encode,
-        every layer (k, v: each layer's BF16 pages), from the shared pages into the cell's own
-        records, the records just assigned. Those are the rows, codes and seals its planes
+        its planes' offsets into `update.adopt_tables`) gets, at every plane, a row for each
+        position below its length that had one at the publisher's plane (`note_rows`: a
+        token-sparse plane's kept tokens, tokens that had not exited), and its full groups
+        encode, every layer (k, v: each layer's BF16 pages), from the shared pages into the
+        cell's own records, the records just assigned. Those are the rows, codes and seals its planes
         would hold had it computed the prefix itself (the same exact values; under the serial
         policy seals depend on positions only), so it reads what an uncached request reads.
         Under the execution policy the groups `tail` before the length seal at it (the
@@ -215,17 +221,16 @@ class PackedResiduals:
         shape = (n, planes, longest)
         pos = torch.arange(longest, device=cells.device)
         depth = torch.arange(planes, device=cells.device)
+        # a row where the publisher's plane had one (token-sparse planes and exits leave some out)
+        pages = update.adopt_tables[(offsets[:, :, None] + pos // page_size).clamp(max=update.adopt_tables.numel() - 1)]
+        active = (pos < lens[:, None, None]) & self.page_rows[pages, pos % page_size]
         self.append(cells[:, None, None].expand(shape).flatten(), depth[None, :, None].expand(shape).flatten(),
-                    pos[None, None, :].expand(shape).flatten(), (pos[None, None, :] < lens[:, None, None])
-                    .expand(shape).flatten())
-        groups = longest // GROUP  # full groups of the longest prefix (a shorter one's last are not valid)
-        if groups == 0:
-            return
+                    pos[None, None, :].expand(shape).flatten(), active.flatten())
+        groups = -(-longest // GROUP)  # groups the rows may fill (`plan_encode` takes the full ones)
         g = torch.arange(groups, device=cells.device).repeat(n)
         cand = cells.repeat_interleave(groups)
-        valid = GROUP * (g + 1) <= lens.repeat_interleave(groups)
         tables = [offsets[:, p].repeat_interleave(groups) for p in range(planes)]
-        plan = EncodePlan([cand] * planes, [g] * planes, tables, [valid] * planes)
+        plan = EncodePlan([cand] * planes, [g] * planes, tables)
         committed = committed.clone()  # a prefix is committed whatever the cell last held
         committed[cells] = torch.maximum(committed[cells], lens)
         first = None
@@ -235,6 +240,16 @@ class PackedResiduals:
         self.plan_encode(plan, committed, first)
         for layer in range(len(self._views)):
             self.encode(layer, plan, k[layer], v[layer], update.adopt_tables, page_size)
+
+    def note_rows(self, cached: torch.Tensor, page_size: int) -> None:
+        """Prompt blocks a plan finished, for the prefix cache (`cached` [B, 2 + P]: cell,
+        first position, each plane's page): note in each page which of its tokens have a row
+        at its plane (every plane's rows there are final), for a request that adopts it."""
+        cells, start, pages = cached[:, 0], cached[:, 1], cached[:, 2:]
+        pos = (start[:, None] + torch.arange(page_size, device=cells.device)).clamp(max=self.max_len - 1)  # [B, bs]
+        planes = torch.arange(self.num_planes, device=cells.device)
+        rows = self.row_maps[cells[:, None, None], planes[None, :, None], pos[:, None, :]]  # [B, P, bs]
+        self.page_rows[pages] = rows >= 0
 
     # --- rows ---------------------------------------------------------------------------
 

@@ -92,11 +92,9 @@ class ResidualRecords:
 
     def add(self, rid: str, prompt_len: int, adopt: int = 0) -> None:
         """Register `rid` with no records (its prompt length sizes its sparse planes);
-        `adopt`: it starts with that many cached prefix positions (every plane dense there)."""
+        `adopt`: it starts with that many cached prefix positions."""
         if rid in self._requests:
             raise ValueError(f"request {rid!r} already has residual records")
-        if adopt and self.windows is not None:
-            raise ValueError("a cached prefix needs dense planes (token-sparse planes' rows are the selection's)")
         self._requests[rid] = _Tables([[] for _ in range(self.num_planes)], prompt_len, [0] * self.num_planes,
                                       adopt=adopt)
 
