@@ -345,8 +345,8 @@ class Scheduler:
 
     def _completed_blocks(self, groups: list[RowGroup]) -> list[tuple[Request, int, PublishedBlock]]:
         """The full prompt blocks this plan completes, each with its request and index, as
-        `PrefixCache.publish` takes them (hash, one page per plane, parent hash): those of its groups that finish positions at
-        the last depth. The plan writes them; earlier plans wrote them at shallower depths (a
+        `PrefixCache.publish` takes them (hash, one page per plane, parent hash): those of
+        its groups that finish positions at the last depth. The plan writes them; earlier plans wrote them at shallower depths (a
         row is planned only once its previous depth was), and with adaptive exit a token that
         exited at depth e wrote its K/V into every deeper plane in the pass where it exited,
         which is no later than this one. Only prompt positions are offered: they are never
