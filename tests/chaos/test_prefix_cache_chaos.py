@@ -2,7 +2,8 @@
 `test_async_engine_chaos`, same clients and hazards): every prompt starts with one of two
 shared heads of one to two blocks, so requests hit blocks other requests published and
 still hold while they are aborted, preempted (recompute or swap), and evicted from a pool
-of 32 positions a plane, in the two speculation modes. Each request must emit what it emits alone, and at rest every
+of 32 positions a plane, in the two speculation modes, and with INT4 residuals (longer heads,
+whose full groups each hit encodes from the shared pages). Each request must emit what it emits alone, and at rest every
 page must be free or held by the cache alone, with the cache's invariants intact
 (`oracle.assert_clean`). Each run proves that hits and evictions happened.
 """
@@ -23,23 +24,34 @@ from tests.chaos.test_async_engine_chaos import _run
 CHAOS_MODES = ("block-d2", "pipeline-d1")
 
 
-def shared_prefix_run(mode: str) -> TinyRun:
+# INT4 residuals: heads of 70 to 130 tokens (a cached prefix holds one or two full groups of 64
+# rows, whose records each hit encodes from the shared pages) in a pool of 224 positions a plane
+INT4_HEADS, INT4_POSITIONS = (70, 130), 152
+
+
+def shared_prefix_run(mode: str, int4: bool = False) -> TinyRun:
     """The mode's run (at the next preemption policy) with caching on and shared heads
     (lengths one to two blocks; with the prompts' 1-8 tokens and up to 16 generated, a
-    request still fits the 32 positions of a plane); token-sparse windows of one block."""
+    request still fits the 32 positions of a plane); token-sparse windows of one block.
+    `int4`: with INT4 residuals (a tail the serial policy allows with the mode's speculation),
+    longer heads and a larger pool."""
     run = tiny_run(mode, turn=1)
     bs = run.options["block_size"]
-    heads = random_prompts(run.seed + 1, 2, TINY_VOCAB, (bs, 2 * bs))
+    heads = random_prompts(run.seed + 1, 2, TINY_VOCAB, INT4_HEADS if int4 else (bs, 2 * bs))
     prompts = [heads[i % 2] + prompt for i, prompt in enumerate(run.prompts)]
     options = {**run.options, "enable_prefix_caching": True}
     if "token_sparse_prefill" in options:
         options["token_sparse_prefill"] = json.dumps({**json.loads(options["token_sparse_prefill"]), "window": bs})
+    if int4:
+        options["kv_residual_quantization"] = json.dumps({"tail": 24})
+        options["num_kv_pages"] = 4 * INT4_POSITIONS // bs
     return dataclasses.replace(run, options=options, prompts=prompts)
 
 
-@pytest.mark.parametrize("mode", CHAOS_MODES)
-async def test_prefix_cache_chaos(tiny_ckpt, solo_runs, mode):
-    run = shared_prefix_run(mode)
+@pytest.mark.parametrize("mode,int4", [*[(mode, False) for mode in CHAOS_MODES], ("block-d2", True),
+                                       ("pipeline-d1", True)])
+async def test_prefix_cache_chaos(tiny_ckpt, solo_runs, mode, int4):
+    run = shared_prefix_run(mode, int4)
     uncached = {**run.options, "enable_prefix_caching": False}  # the reference computes every block
     engine = await _run(run, str(tiny_ckpt), solo_runs(str(tiny_ckpt), uncached, max(TINY_GREEDY_MAX_TOKENS)))
     cache, where = engine.core.scheduler.prefix_cache, run.where()
