@@ -220,7 +220,7 @@ def test_a_parent_goes_right_after_its_last_child_when_it_is_older():
     cache.check()
 
 
-def test_blocks_in_use_and_their_ancestors_are_never_evicted():
+def test_blocks_in_use_are_never_freed_and_ancestors_go_last():
     cache = _cache(num_pages=16)
     hashes, blocks = _write(cache, [1, 1, 2, 2, 3, 3])
     _release(cache, blocks)
@@ -230,12 +230,17 @@ def test_blocks_in_use_and_their_ancestors_are_never_evicted():
     assert cache.evict(100) == [] and cache.num_cached_blocks == 2
     assert not cache.is_idle(hashes[0]) and not cache.is_idle(hashes[1])
     cache.check()
-    # a request holding only a later block (its own pages for the first) pins the chain above it
+    # a request holding only a later block (an INT4 request gave its first pages back): its idle
+    # ancestor goes once no idle leaf is left, and takes the block in use out of the cache with it
+    # (unreachable without its parent); that block's pages stay with the request
     cache2 = _cache(num_pages=16)
     hashes, blocks = _write(cache2, [1, 1, 2, 2])
-    cache2.allocator.decref(list(blocks[0]))
-    assert cache2.is_idle(hashes[0]) and cache2.num_evictable_pages == 0
-    assert cache2.evict(4) == [] and cache2.num_cached_blocks == 2
+    _, other = _write(cache2, [7, 7])
+    cache2.allocator.decref(list(blocks[0]) + list(other[0]))
+    assert cache2.is_idle(hashes[0]) and cache2.num_evictable_pages == 4
+    assert cache2.evict(2) == list(other[0])  # an idle leaf first
+    assert cache2.evict(2) == list(blocks[0]) and cache2.num_cached_blocks == 0
+    assert all(cache2.allocator.refcount(p) == 1 for p in blocks[1])  # the request's
     cache2.check()
 
 
@@ -294,7 +299,8 @@ class _Request:
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Requests over a small pool and a two-token vocabulary, so prefixes meet often. The
     model keeps the cached blocks (hash -> pages, parent) and their recency as a list, and
-    evicts by the policy written naively: repeatedly the oldest idle leaf."""
+    evicts by the policy written naively: repeatedly the oldest idle leaf, then the oldest
+    idle blocks with a block in use below them, each with its subtree."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -323,6 +329,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return [h for h in self.order if h not in gone and h not in parents
                 and not any(held[p] for p in self.cached[h][0])]
 
+    def _idle(self, h: bytes) -> bool:
+        held = self._held()
+        return not any(held[p] for p in self.cached[h][0])
+
     def _evict(self, num_pages: int) -> None:
         victims: list[bytes] = []
         while len(victims) * PLANES < num_pages:
@@ -330,15 +340,32 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             if not candidates:
                 break
             victims.append(candidates[0])
-        refcounts = {p: self.alloc.refcount(p) for h in victims for p in self.cached[h][0]}
-        assert self.cache.can_evict(num_pages) == (len(victims) * PLANES >= num_pages)  # the same walk, dry
+        # then idle blocks with a block in use below them, oldest first, each with its subtree
+        idle = {h for h in self.cached if self._idle(h)}
+        freed_blocks = len(victims)
+        for h in self.order:
+            if freed_blocks * PLANES >= num_pages:
+                break
+            if h in victims or h not in idle:
+                continue
+            subtree: list[bytes] = []
+
+            def below(x: bytes) -> None:
+                for child in [c for c in self.order if self.cached[c][1] == x and c not in victims + subtree]:
+                    below(child)
+                subtree.append(x)
+            below(h)
+            victims += subtree
+            freed_blocks += sum(x in idle for x in subtree)
+        refcounts = {p: self.alloc.refcount(p) for h in victims if h in idle for p in self.cached[h][0]}
+        assert self.cache.can_evict(num_pages) == (freed_blocks * PLANES >= num_pages)  # the same walk, dry
         freed = self.cache.evict(num_pages)
-        assert freed == [p for h in victims for p in self.cached[h][0]]
+        assert freed == [p for h in victims if h in idle for p in self.cached[h][0]]
         assert all(count == 1 for count in refcounts.values())  # only the cache held them
         for h in victims:
             del self.cached[h]
             self.order.remove(h)
-        assert len(freed) >= num_pages or not self._evictable([])
+        assert len(freed) >= num_pages or not any(self._idle(h) for h in self.cached)
 
     # --- rules ---
 
@@ -435,10 +462,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert self.cache.num_cached_blocks == len(self.cached)
         for h, (pages, _) in self.cached.items():
             assert self.cache.pages(h) == pages
-        everything = []
-        while candidates := self._evictable(everything):
-            everything.append(candidates[0])
-        assert self.cache.num_evictable_pages == len(everything) * PLANES
+        assert self.cache.num_evictable_pages == sum(self._idle(h) for h in self.cached) * PLANES
         assert self.cache.stats() == {"prefix_cache_queries": self.queries * BLOCK,
                                       "prefix_cache_hits": self.hits * BLOCK}
 

@@ -37,10 +37,12 @@ SMALL_POOL = 45 * 4  # pages a plane x planes: r0 alone holds most of them (ever
 # until they are cached)
 
 
-def _engine(ckpt, cache: bool, pages: int = 1024, policy: str = "serial", **kw) -> EngineCore:
-    options = {"device": "cpu", "dtype": "float32", "block_size": BS, "num_kv_pages": pages, "max_num_seqs": 8,
+def _engine(ckpt, cache: bool, pages: int | None = 1024, policy: str = "serial", **kw) -> EngineCore:
+    options = {"device": "cpu", "dtype": "float32", "block_size": BS, "max_num_seqs": 8,
                "max_num_batched_tokens": 48, "attention_backend": "torch",
                "kv_residual_quantization": {"tail": TAIL, "policy": policy}, **kw}
+    if pages is not None:
+        options["num_kv_pages"] = pages
     return EngineCore(EngineConfig.from_kwargs(str(ckpt), enable_prefix_caching=cache, **options))
 
 
@@ -140,8 +142,8 @@ def test_preemption_with_shared_prefixes(tiny_ckpt, uncached, policy):
     got = run_cached(engine, PROMPTS, "burst", force={20: "r2"})
     assert_same(got, want, 1e-4)
     assert engine.stats().num_preemptions >= 1
-    # recompute: r2 looks its prefix up again when it re-enters
-    assert engine.stats().prefix_cache_hits == HITS + (BLOCKS * BS if policy == "recompute" else 0)
+    # hits happen (how many depends on what the small pool evicted meanwhile)
+    assert engine.stats().prefix_cache_hits >= 2 * BLOCKS * BS
     _at_rest(engine)
 
 
@@ -198,4 +200,22 @@ def test_adaptive_exit(tiny_ckpt, uncached, arrival):
     assert engine.stats().prefix_cache_hits == HITS
     rows = residual_planes(engine).page_rows
     assert not bool(rows.all()), "some tokens exited before the last loop (else this tests nothing)"
+    _at_rest(engine)
+
+
+@pytest.mark.parametrize("sizing", [{"pages": 180}, {"pages": 300},
+                                    {"pages": None, "block_size": 16, "kv_cache_bytes": 2 << 20}])
+def test_a_prompt_longer_than_the_pool_at_every_plane(tiny_ckpt, sizing):
+    """INT4 admits a prompt whose pages at every plane outgrow the pool (its planes give
+    their leading pages back as groups seal). The cache keeps those pages while the
+    request's later blocks are in its tables: eviction must take the idle ones below, or the
+    request preempted itself and then, its own cached blocks pinned as hits, never fit again
+    ("scheduler stalled", found in review)."""
+    length = 1500 if sizing["pages"] is None else 400
+    prompt = torch.randint(3, 380, (length,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [prompt + [5, 6, 7], prompt + [8]]
+    want = run_cached(_engine(tiny_ckpt, False, **sizing), prompts, "sequential")
+    engine = _engine(tiny_ckpt, True, **sizing)
+    assert_same(run_cached(engine, prompts, "sequential"), want, 1e-4)
+    assert engine.stats().num_preemptions == 0
     _at_rest(engine)

@@ -24,13 +24,15 @@ use* while any of its pages has refcount > 1, and *idle* when only the cache hol
 refcounts when needed, never tracked.
 
 Eviction: descendants first. The cached blocks form a forest (each block's parent is the
-block before it in the chain), and only idle *leaves* (no cached child) are evicted, the
+block before it in the chain), and idle *leaves* (no cached child) are evicted first, the
 least recently used first; a parent becomes a candidate once its last child has gone.
 This keeps every cached block reachable: `lookup` walks a chain from its root, so a
 block whose parent is gone could never be hit again while still holding `num_planes`
-pages. The alternative, dropping a parent's descendants along with it, would throw away
-blocks more recent than the victim, or fail to when a descendant is in use. For the same
-reason `publish` refuses a block whose parent is not cached. Recency is the last lookup
+pages. Only when those fall short does eviction drop an idle block that has a block in
+use below it, with every cached block below it (those in use keep their pages for their
+requests and leave the cache): a running INT4 request gives its leading prompt pages back
+while its later blocks are still in its tables, and they would otherwise pin the chain.
+`publish` refuses a block whose parent is not cached. Recency is the last lookup
 hit, publish or `touch` (the scheduler may touch a finishing request's blocks, so that
 they are the last to go, as in vLLM's free queue); hits are marked deepest first, so the
 walk from the old end meets a chain's later blocks before its earlier ones and rarely
@@ -180,16 +182,9 @@ class PrefixCache:
 
     @property
     def num_evictable_pages(self) -> int:
-        """Pages `evict` could free now: those of blocks that are idle with every cached
-        descendant idle (a scan of every block; ask only when the free list falls short)."""
-        pinned: set[bytes] = set()
-        for block_hash, block in self._blocks.items():
-            if self._idle(block):
-                continue
-            while block_hash is not None and block_hash not in pinned:  # it and its ancestors
-                pinned.add(block_hash)
-                block_hash = self._blocks[block_hash].parent
-        return (len(self._blocks) - len(pinned)) * self.num_planes
+        """Pages `evict` could free now: those of every idle block (a scan of every block;
+        ask only when the free list falls short)."""
+        return sum(self._idle(block) for block in self._blocks.values()) * self.num_planes
 
     def cached_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading `hashes` are cached: what `lookup` would hit, without counting a
@@ -277,7 +272,9 @@ class PrefixCache:
     def evict(self, num_pages: int) -> list[int]:
         """Free at least `num_pages` pages, or as many as eviction can, by dropping idle
         leaves least recently used first (a parent as soon as its last child went, if it is
-        older than where the walk has got to); returns the freed pages, block by block."""
+        older than where the walk has got to), then, when those fall short, idle blocks
+        below which a block is still in use, least recently used first, each with every
+        cached block below it (`_victims`); returns the freed pages, block by block."""
         victims = self._victims(num_pages, frozenset())
         self.evicted_blocks += len(victims)
         return self._drop(victims)
@@ -286,10 +283,49 @@ class PrefixCache:
         """Whether `evict(num_pages)` would free that many pages, counting the blocks of
         `pinned` as in use (a chain a request is about to acquire); changes nothing. The
         same walk as `evict`'s, so it stops as soon as it has found enough."""
-        return len(self._victims(num_pages, frozenset(pinned))) * self.num_planes >= num_pages
+        victims = self._victims(num_pages, frozenset(pinned))
+        return sum(self._idle(self._blocks[h]) for h in victims) * self.num_planes >= num_pages
 
     def _victims(self, num_pages: int, pinned: frozenset[bytes]) -> list[bytes]:
-        """The blocks `evict` drops, children before parents (`pinned`: taken as in use)."""
+        """The blocks `evict` drops, children before parents (`pinned`: taken as in use).
+
+        First idle leaves, as they come in the recency order. When those fall short, idle
+        blocks that are ancestors of blocks in use, in the recency order, each with every
+        cached block below it: the blocks in use among those leave the cache (unreachable
+        once their ancestor is gone) but keep their pages for the requests holding them.
+        That second walk is what frees a running INT4 request's prompt pages: it gives its
+        leading pages back as its groups seal, the cache keeps them, and the request's own
+        later blocks, still in its tables, would pin the whole chain until it ends."""
+        victims = self._idle_leaves(num_pages, pinned)
+        freed = len(victims) * self.num_planes
+        if freed >= num_pages:
+            return victims
+        dropped = set(victims)
+        children: dict[bytes, list[bytes]] = collections.defaultdict(list)
+        for block_hash in self._recency:  # oldest first: each parent's children in recency order
+            parent = self._blocks[block_hash].parent
+            if parent is not None and block_hash not in dropped:
+                children[parent].append(block_hash)
+        for block_hash in self._recency:
+            if freed >= num_pages:
+                break
+            if block_hash in dropped or block_hash in pinned or not self._idle(self._blocks[block_hash]):
+                continue
+            subtree: list[bytes] = []  # post-order: children before parents
+
+            def below(h: bytes) -> None:
+                for child in children.get(h, ()):
+                    if child not in dropped:
+                        below(child)
+                subtree.append(h)
+                dropped.add(h)
+            below(block_hash)
+            victims += subtree
+            freed += sum(self._idle(self._blocks[h]) for h in subtree) * self.num_planes
+        return victims
+
+    def _idle_leaves(self, num_pages: int, pinned: frozenset[bytes]) -> list[bytes]:
+        """`_victims`' first walk: idle leaves, children before parents."""
         victims: list[bytes] = []
         gone: collections.Counter[bytes] = collections.Counter()  # children among the victims
 
@@ -324,7 +360,8 @@ class PrefixCache:
         return self._drop(self._victims(len(self._blocks) * self.num_planes, frozenset()))
 
     def _drop(self, victims: list[bytes]) -> list[int]:
-        """Forget `victims` (children before parents) and give back the cache's references."""
+        """Forget `victims` (children before parents) and give back the cache's references;
+        returns the pages that became free (a block in use keeps its pages)."""
         pages = []
         for block_hash in victims:
             block = self._blocks.pop(block_hash)
@@ -334,9 +371,7 @@ class PrefixCache:
             for page in block.pages:
                 del self._owner[page]
             pages.extend(block.pages)
-        freed = self.allocator.decref(pages)
-        assert len(freed) == len(pages), "an evicted block was in use"
-        return freed
+        return self.allocator.decref(pages)
 
     def _idle(self, block: _Block) -> bool:
         refcount = self.allocator.refcount

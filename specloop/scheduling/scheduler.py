@@ -310,7 +310,11 @@ class Scheduler:
             lookup = self._lookup_hashes(req)
             hits = lookup[:self._usable_hits(req, self.prefix_cache.cached_prefix(lookup))] if lookup else []
             if not self._can_admit(req, hits):
-                return admitted  # FCFS: nobody overtakes the head of the queue
+                # its hits are pinned, not room: without them it may fit where they can be evicted
+                # (INT4: a prompt's own cached blocks after a preemption, filling the pool)
+                if not hits or not self._can_admit(req, []):
+                    return admitted  # FCFS: nobody overtakes the head of the queue
+                hits = []
             self.waiting.popleft()
             prefix = []  # the hits: counted (the request's every position as queried, as vLLM counts), marked recent
             if self.prefix_cache is not None:
