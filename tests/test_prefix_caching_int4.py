@@ -1,5 +1,8 @@
 """Prefix caching with INT4 cross-loop KV residuals (`enable_prefix_caching` with
-`kv_residual_quantization`), CPU, tiny random checkpoint, fp32, the torch backend.
+`kv_residual_quantization`), CPU, tiny random checkpoint, fp64, the torch backend (in fp32
+a prompt chunked or batched otherwise rounds its K/V apart in the last bits, which can move
+an INT4 code across a step: the uncached engine itself differs by up to 1e-3 in logprobs
+between batchings there, found in review).
 
 The cache shares BF16 pages; a request that hits them gets rows for the cached positions
 at every plane and encodes their full groups into its own records from the shared pages
@@ -38,7 +41,7 @@ SMALL_POOL = 45 * 4  # pages a plane x planes: r0 alone holds most of them (ever
 
 
 def _engine(ckpt, cache: bool, pages: int | None = 1024, policy: str = "serial", **kw) -> EngineCore:
-    options = {"device": "cpu", "dtype": "float32", "block_size": BS, "max_num_seqs": 8,
+    options = {"device": "cpu", "dtype": "float64", "block_size": BS, "max_num_seqs": 8,
                "max_num_batched_tokens": 48, "attention_backend": "torch",
                "kv_residual_quantization": {"tail": TAIL, "policy": policy}, **kw}
     if pages is not None:
@@ -78,12 +81,13 @@ def test_outputs_equal_an_uncached_engine(tiny_ckpt, uncached, arrival, mode):
 @pytest.mark.parametrize("mode", ["plain", "block-d2"])
 def test_on_cuda_with_graphs(tiny_ckpt, mode):
     """The GPU path: the Triton encoder and plan for the adopted groups, the packed reader
-    and CUDA graphs, fp32: the same tokens as uncached, and hits happen."""
-    cuda = {"device": "cuda", "attention_backend": "triton", **MODES[mode]}
+    and CUDA graphs, fp32 (the kernels' dtypes): the same tokens as uncached, logprobs within
+    5e-3 (a chunking's fp32 roundings may move an INT4 code a step), and hits happen."""
+    cuda = {"device": "cuda", "attention_backend": "triton", "dtype": "float32", **MODES[mode]}
     want = run_cached(_engine(tiny_ckpt, False, **cuda), PROMPTS, "burst")
     engine = _engine(tiny_ckpt, True, **cuda)
     assert engine.resolved.cuda_graphs, "the loop passes must replay as graphs"
-    assert_same(run_cached(engine, PROMPTS, "burst"), want, 1e-4)
+    assert_same(run_cached(engine, PROMPTS, "burst"), want, 5e-3)
     assert engine.stats().prefix_cache_hits == HITS
     _at_rest(engine)
 
@@ -204,7 +208,7 @@ def test_adaptive_exit(tiny_ckpt, uncached, arrival):
 
 
 @pytest.mark.parametrize("sizing", [{"pages": 180}, {"pages": 300},
-                                    {"pages": None, "block_size": 16, "kv_cache_bytes": 2 << 20}])
+                                    {"pages": None, "block_size": 16, "kv_cache_bytes": 4 << 20}])
 def test_a_prompt_longer_than_the_pool_at_every_plane(tiny_ckpt, sizing):
     """INT4 admits a prompt whose pages at every plane outgrow the pool (its planes give
     their leading pages back as groups seal). The cache keeps those pages while the

@@ -44,6 +44,7 @@ def shared_prefix_run(mode: str, int4: bool = False) -> TinyRun:
         options["token_sparse_prefill"] = json.dumps({**json.loads(options["token_sparse_prefill"]), "window": bs})
     if int4:
         options["kv_residual_quantization"] = json.dumps({"tail": 24})
+        options["dtype"] = "float64"  # (fp32 roundings that differ between batchings can move an INT4 code)
         options["num_kv_pages"] = 4 * INT4_POSITIONS // bs
     return dataclasses.replace(run, options=options, prompts=prompts)
 
