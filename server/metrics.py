@@ -201,7 +201,8 @@ class _EngineCollector(Collector):
         config, resolved = engine.config, engine.resolved
         self._cache_config = {"block_size": str(config.block_size), "num_gpu_blocks": str(resolved.num_kv_pages),
                               "gpu_memory_utilization": str(config.gpu_memory_utilization),
-                              "cache_dtype": resolved.dtype, "model_name": model_name}
+                              "cache_dtype": resolved.dtype, "model_name": model_name,
+                              "enable_prefix_caching": str(resolved.prefix_caching)}
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine.stats()  # one snapshot for both namings

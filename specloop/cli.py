@@ -105,7 +105,8 @@ ENGINE_OPTIONS: dict[str, tuple[type, str]] = {
                         "recompute (drop its KV, re-enter its prompt and tokens later) or swap (snapshot it to "
                         "host memory, restore it later)"),
     "enable_prefix_caching": (bool, "share the KV of full prompt blocks between requests with the same prefix "
-                              "(whole windows of them with --token-sparse-prefill; not with --kv-residual-quantization yet)"),
+                              "(whole windows of them with --token-sparse-prefill; with --kv-residual-quantization the BF16 pages, "
+                              "each reader encodes its own INT4 records)"),
     "tensor_parallel_size": (int, "ranks (processes, one GPU each on CUDA) the model's heads and MLP columns are "
                              "split over; must divide the attention heads, KV heads and intermediate size"),
     "token_sparse_prefill": (str, "FlashLoop token-sparse prefill as a JSON object with enabled, window (prompt "
@@ -125,6 +126,8 @@ UNSET_MEANS = {
     "kv_cache_bytes": "from --gpu-memory-utilization on CUDA, a fixed budget on CPU",
     "max_model_len": "the model's max_position_embeddings",
     "exit_threshold": "the checkpoint's early_exit_threshold",
+    "enable_prefix_caching": "on, except with --kv-residual-quantization or a token-sparse window that is not a "
+                             "multiple of --block-size",
 }
 
 
@@ -156,9 +159,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     shows that default."""
     add_model_argument(p)
     for name, (kind, _) in ENGINE_OPTIONS.items():
-        if kind is bool:  # a switch: given means True
-            p.add_argument("--" + name.replace("_", "-"), action="store_true", dest=name, default=None,
-                           help=engine_option_help(name))
+        if kind is bool:  # a switch: --name means True, --no-name False, neither the default
+            p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, dest=name,
+                           default=None, help=engine_option_help(name))
             continue
         p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, default=None,
                        metavar="JSON" if name in JSON_OPTIONS else None, help=engine_option_help(name))

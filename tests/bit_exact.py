@@ -57,11 +57,13 @@ def cells() -> list[tuple[str, tuple[bool, bool, bool], str, str]]:
 
 
 def engine(ckpt: Path, combo: tuple[bool, bool, bool], mode: str) -> EngineCore:
+    """Prefix caching off as when the record was taken (the snapshots carry the options; the
+    cells share no prefix, so caching would not change their arithmetic)."""
     if mode == "exit":
         return EngineCore(EngineConfig.from_kwargs(str(ckpt), dtype="float32", num_kv_pages=512, block_size=4,
-                                                   device="cpu", attention_backend="torch",
+                                                   device="cpu", attention_backend="torch", enable_prefix_caching=False,
                                                    **matrix._options(combo), **EXIT_MODE))
-    return matrix._engine(ckpt, combo, mode, device="cpu", attention_backend="torch")
+    return matrix._engine(ckpt, combo, mode, device="cpu", attention_backend="torch", enable_prefix_caching=False)
 
 
 def content_bytes(value: Any) -> bytes:

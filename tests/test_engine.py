@@ -12,6 +12,7 @@ from specloop.sampling_params import SamplingParams
 from specloop.errors import InvalidRequestError
 from specloop.model.reference import reference_greedy
 from tests.conftest import weights_of
+from tests.engine_runs import pages_at_rest
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -73,7 +74,7 @@ def test_many_requests_equal_reference_greedy(tiny_ckpt, reference, rows, thresh
     got = _run(engine, arrivals)
     for i, (p, n) in enumerate(zip(prompts, new_tokens)):
         assert got[f"r{i}"] == reference(p, n, threshold), f"request r{i}"
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
 
 
 def test_single_inflight_ticket_gives_same_tokens(tiny_ckpt, reference):
@@ -111,7 +112,7 @@ def test_abort_mid_generation_frees_every_page(tiny_ckpt):
     seen += engine.drain()
     assert not [o for o in seen if o.request_id == "a" and o.finished and o.finish_reason != "abort"]
     assert engine.abort("a") is None  # after finish: nothing to do
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
     assert engine.scheduler.cells.num_free == engine.scheduler.cells.size
 
@@ -129,7 +130,7 @@ def test_reused_request_id_never_receives_old_tokens(tiny_ckpt, reference):
     after = engine.drain()
     tokens = [t for o in after if o.request_id == "x" for t in o.token_ids]
     assert tokens == reference(new, 6)
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
 
 
 def test_memory_pressure_requests_wait_for_pages(tiny_ckpt, reference):

@@ -23,6 +23,7 @@ from specloop.sampling_params import SamplingParams
 from specloop.scheduling.scheduler import Scheduler
 from specloop.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from specloop.llm import LLM
+from tests.engine_runs import pages_at_rest
 
 MODES = [{}, {"exit_threshold": 0.5}, {"speculation": "block", "num_speculative_tokens": 3, "draft_loops": 1},
          {"speculation": "pipeline", "draft_loops": 1}]
@@ -40,7 +41,7 @@ def _engine(ckpt, **options) -> EngineCore:
 
 def _assert_all_returned(engine: EngineCore) -> None:
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
     assert engine.scheduler.cells.num_free == engine.scheduler.cells.size
 

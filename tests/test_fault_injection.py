@@ -27,6 +27,7 @@ from specloop.engine.tokenizer_pool import DEFAULT_WORKERS
 from specloop.errors import ConfigError, EngineDeadError, RequestFailedError
 from specloop.llm import LLM
 from specloop.sampling_params import SamplingParams
+from tests.engine_runs import pages_at_rest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = {"a": [5, 6, 7, 8], "bad": [9, 10, 11], "c": [40, 41, 42, 43, 44, 45]}
@@ -138,7 +139,7 @@ def test_commit_fault_fails_only_its_request(tiny_ckpt, reference, mode):
     assert 2 <= len(bad) < GREEDY.max_tokens and bad == reference["bad"][: len(bad)]
     for rid in ("a", "c"):
         assert [t for o in outputs if o.request_id == rid for t in o.token_ids] == reference[rid]
-    assert not engine.requests and engine.kv.num_free_pages == engine.kv.num_pages
+    assert not engine.requests and pages_at_rest(engine)
     assert engine.failure is None
 
 

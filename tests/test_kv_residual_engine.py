@@ -23,7 +23,7 @@ from specloop.sampling_params import SamplingParams
 from specloop.flashloop.kv_residual.planes import NEVER
 from specloop.flashloop.kv_residual.records import GROUP as RECORD_ROWS
 from tests.conftest import weights_of
-from tests.engine_runs import residual_planes
+from tests.engine_runs import pages_at_rest, residual_planes
 from specloop.flashloop.kv_residual.batch import ResidualPass
 
 MAX_TOKENS = 6
@@ -61,7 +61,7 @@ def _run(engine: EngineCore, prompts: dict[str, list[int]], stagger: bool = Fals
             logprobs.extend(o.logprobs or [])
         if each_step is not None:
             each_step(engine)
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.kv.records.num_free == engine.kv.records.num_records
     return out
 
@@ -336,7 +336,7 @@ def test_tail_pages_return_to_the_pool(tiny_ckpt, refs):
     _check(tiny_ckpt, refs, got, range(len(PROMPTS)))
     assert most_running >= 2, "the pool holds one prompt's BF16 planes: a second runs only on released pages"
     assert least_held is not None and least_held <= 4 * 4  # the tail: <= 4 pages of 8 a plane at TAIL 5
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -486,7 +486,7 @@ def test_snapshot_restores_the_packed_planes(tiny_ckpt, refs, steps, sparse):
     while fresh.has_unfinished():
         collect(fresh.step())
     _check(tiny_ckpt, refs, got, range(len(PROMPTS)), sparse=sparse)
-    assert fresh.kv.num_free_pages == fresh.kv.num_pages and fresh.kv.records.num_free == fresh.kv.records.num_records
+    assert pages_at_rest(fresh) and fresh.kv.records.num_free == fresh.kv.records.num_records
 
 
 def test_a_snapshot_owns_its_planes_state(tiny_ckpt):
@@ -531,7 +531,7 @@ def test_a_restore_takes_only_the_pages_not_given_back(tiny_ckpt, refs):
     while small.has_unfinished():
         collect(small.step())
     _check(tiny_ckpt, refs, got, [2])
-    assert small.kv.num_free_pages == small.kv.num_pages
+    assert pages_at_rest(small)
 
 
 def test_swap_preemption_carries_the_packed_planes(tiny_ckpt, refs):

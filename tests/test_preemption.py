@@ -20,7 +20,7 @@ from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.sampling_params import SamplingParams
 from specloop.scheduling.request import Status
-from tests.engine_runs import MODES, Outputs, assert_same, step_into
+from tests.engine_runs import MODES, Outputs, assert_same, pages_at_rest, step_into
 
 PROMPTS = [list(range(3, 17)), [5, 9, 2], list(range(40, 12, -1)), [7] * 9, list(range(60, 70))]
 # Short prompts, long outputs: all admitted at first, then they outgrow the pool together.
@@ -78,7 +78,7 @@ def _run(engine: EngineCore, prompts: list[list[int]], force: dict[int, int] | N
         step += 1
         assert step < 5000, "no progress"
     sched = engine.scheduler
-    assert engine.kv.num_free_pages == engine.kv.num_pages and not engine.kv.requests()
+    assert pages_at_rest(engine) and not engine.kv.requests()
     assert sched.token_slots.num_free == sched.token_slots.size
     assert sched.cells.num_free == sched.cells.size and sched._returning == 0
     assert all(len(out[f"r{i}"][0]) == MAX_TOKENS for i in range(len(prompts)))
@@ -160,5 +160,5 @@ def test_abort_of_a_preempted_request(tiny_ckpt):
     assert out.finished and out.finish_reason == "abort"
     rest = engine.drain()
     assert sum(len(o.token_ids) for o in rest if o.request_id == "a") > 0
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.cells.num_free == engine.scheduler.cells.size

@@ -463,6 +463,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for h, (pages, _) in self.cached.items():
             assert self.cache.pages(h) == pages
         assert self.cache.num_evictable_pages == sum(self._idle(h) for h in self.cached) * PLANES
+        held = self._held()
+        cached = {p for pages, _ in self.cached.values() for p in pages}
+        assert self.cache.num_idle_pages == sum(page in cached and not held[page] for page in range(PAGES))
         assert self.cache.stats() == {"prefix_cache_queries": self.queries * BLOCK,
                                       "prefix_cache_hits": self.hits * BLOCK}
 

@@ -318,12 +318,27 @@ def test_the_cache_refuses_windows_across_blocks():
         EngineConfig(model="m", enable_prefix_caching="yes")
     config = EngineConfig(model="m", enable_prefix_caching=True, sparse_decode_attention={})
     assert config.summary()["enable_prefix_caching"] is True
-    assert EngineConfig(model="m").enable_prefix_caching is False
+
+
+
+def test_unset_means_on_where_it_costs_nothing():
+    """Unset, caching is on; off with INT4 residuals (an INT4 prompt would keep its BF16
+    pages at every plane until offered) and with a token-sparse window that no whole number
+    of blocks makes (an unset option never turns into an error); set, it is what was set."""
+    assert EngineConfig(model="m").enable_prefix_caching is None
+    assert EngineConfig(model="m").prefix_caching is True
+    assert EngineConfig(model="m", sparse_decode_attention={}, token_sparse_prefill={"window": 64}).prefix_caching
+    assert not EngineConfig(model="m", kv_residual_quantization={}).prefix_caching
+    assert EngineConfig(model="m", kv_residual_quantization={}, enable_prefix_caching=True).prefix_caching
+    assert not EngineConfig(model="m", block_size=16, token_sparse_prefill={"window": 40}).prefix_caching
+    assert not EngineConfig(model="m", enable_prefix_caching=False).prefix_caching
 
 
 def test_cli_flag():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--enable-prefix-caching"])
     assert engine_options(args)["enable_prefix_caching"] is True
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--no-enable-prefix-caching"])
+    assert engine_options(args)["enable_prefix_caching"] is False
     assert "enable_prefix_caching" not in engine_options(build_parser().parse_args(["generate", "--prompt", "x"]))
 
 

@@ -268,8 +268,9 @@ async def test_version_and_models_never_show_the_checkpoint_path(engine, tiny_ck
     assert info["resolved"] == {  # what `auto` and unset options became at start-up
         "dtype": "float32", "device": "cpu", "max_model_len": core.max_model_len, "num_kv_pages": core.kv.num_pages,
         "kv_page_bytes": core.kv.page_bytes, "attention_backend": "torch", "cuda_graphs": False,
-        "exit_threshold": core.model.config.early_exit_threshold}
+        "exit_threshold": core.model.config.early_exit_threshold, "prefix_caching": True}
     assert info["engine"]["dtype"] == "auto" and info["engine"]["num_kv_pages"] is None  # configured as given
+    assert info["engine"]["enable_prefix_caching"] is None
     assert info["limits"]["max_model_len"] == info["resolved"]["max_model_len"]
     assert info["limits"]["max_body_bytes"] == 12345 and info["limits"]["max_model_len"] > 0
     [card] = models.json()["data"]
@@ -474,8 +475,8 @@ async def test_vllm_request_histograms_cache_info_and_success_without_aborts(eng
     assert metric(text, "vllm:iteration_tokens_total_sum", label) == 3 + 3  # the prompt, the tokens sampled but the last
     assert metric(text, "specloop_iteration_tokens_count") == steps
     pages = engine.core.kv.num_pages
-    assert (f'vllm:cache_config_info{{block_size="16",cache_dtype="float32",gpu_memory_utilization="0.9",'
-            f'model_name="{NAME}",num_gpu_blocks="{pages}"}} 1.0') in text
+    assert (f'vllm:cache_config_info{{block_size="16",cache_dtype="float32",enable_prefix_caching="True",'
+            f'gpu_memory_utilization="0.9",model_name="{NAME}",num_gpu_blocks="{pages}"}} 1.0') in text
 
 
 # ---- one request failing in the engine -------------------------------------------------------------

@@ -19,7 +19,7 @@ from specloop.engine.core import EngineCore
 from specloop.engine.snapshot import RequestSnapshot, SnapshotError
 from specloop.errors import InvalidRequestError
 from specloop.sampling_params import SamplingParams
-from tests.engine_runs import MODES, Outputs, assert_same
+from tests.engine_runs import MODES, Outputs, assert_same, pages_at_rest
 
 PROMPTS = [list(range(3, 17)), [5, 9, 2], list(range(40, 20, -1)), [7] * 9]
 MAX_TOKENS = 12
@@ -53,7 +53,7 @@ def _start(engine: EngineCore) -> None:
 
 
 def _drained(engine: EngineCore) -> None:
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
     assert engine.scheduler.cells.num_free == engine.scheduler.cells.size
 
@@ -198,7 +198,7 @@ def test_unknown_version_or_format_or_config_is_refused(tiny_ckpt, change, match
     engine = _engine(tiny_ckpt)
     with pytest.raises(SnapshotError, match=match):
         engine.restore(snap)
-    assert not engine.requests and engine.kv.num_free_pages == engine.kv.num_pages
+    assert not engine.requests and pages_at_rest(engine)
 
 
 def test_other_engine_configuration_is_refused(tiny_ckpt):
@@ -228,7 +228,7 @@ def test_refused_for_lack_of_room_or_a_taken_id_changes_nothing(tiny_ckpt):
     small = _engine(tiny_ckpt, pages=8)
     with pytest.raises(SnapshotError, match="KV pages"):
         small.restore(snap)
-    assert not small.requests and small.kv.num_free_pages == small.kv.num_pages
+    assert not small.requests and pages_at_rest(small)
     busy = _engine(tiny_ckpt)
     busy.add_request("r0", [1, 2, 3], _params(0))
     free = busy.kv.num_free_pages, busy.scheduler.token_slots.num_free

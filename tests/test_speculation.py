@@ -14,6 +14,7 @@ from specloop.engine.core import EngineCore
 from specloop.sampling_params import SamplingParams
 from specloop.errors import ConfigError
 from specloop.pipeline.acceptance import greedy_verify, speculative_sample
+from tests.engine_runs import pages_at_rest
 
 PROMPTS = [
     "def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):", "# Copyright",
@@ -54,7 +55,7 @@ def test_block_greedy_equals_plain_greedy(plain_greedy, k, d):
     assert got == plain_greedy[:batch]
     stats = engine.stats()
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # the trained model's drafts get accepted
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
 
 
 def test_block_on_random_checkpoint_with_rejections(tiny_ckpt):
@@ -89,7 +90,7 @@ def test_rollback_frees_exactly_the_rejected_pages(tiny_ckpt):
                 assert len(engine.kv.page_table(key, plane)) == math.ceil(rnd.base / 2)
             checked += 1
     assert checked >= 2
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
 
 
 def test_stop_inside_an_accepted_block(plain_greedy):
@@ -127,7 +128,7 @@ def test_abort_mid_round_and_id_reuse(plain_greedy):
     engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=24, **GREEDY))
     tokens = [t for o in engine.drain() if o.request_id == "x" for t in o.token_ids]
     assert tokens == plain_greedy[0]
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
 
 
@@ -225,7 +226,7 @@ def test_pipeline_greedy_equals_plain_greedy(plain_greedy, d, batch):
     assert got == plain_greedy[:batch]
     stats = engine.stats()
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # acceptances and rejections
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
 
 
@@ -263,7 +264,7 @@ def test_pipeline_stops_abort_and_reuse(plain_greedy):
     engine.abort("x")
     engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=24, **GREEDY))
     assert [t for o in engine.drain() if o.request_id == "x" for t in o.token_ids] == expected
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
 
 
@@ -309,7 +310,7 @@ def test_speculation_keeps_a_ticket_in_flight(plain_greedy, spec, inflight):
     stats = engine.stats()
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # acceptances and rollbacks both happened
     assert sum(n >= 1 for n in in_flight) >= 0.8 * len(in_flight)
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
 
 

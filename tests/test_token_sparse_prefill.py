@@ -31,7 +31,7 @@ from specloop.runtime.kv_format import PagedKV
 from specloop.runtime.slot_storage import SlotStorage
 from specloop.sampling_params import SamplingParams
 from tests.conftest import weights_of
-from tests.engine_runs import device_feature, forbid_syncs, run_all, step_into
+from tests.engine_runs import device_feature, forbid_syncs, pages_at_rest, run_all, step_into
 
 MAX_TOKENS = 5
 _g = torch.Generator().manual_seed(0)
@@ -226,7 +226,7 @@ def test_preemption_resumes_exactly(tiny_ckpt, refs, policy):
         step_into(engine, out)
         step += 1
         assert step < 3000
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
     assert len(victims) >= 4 and any(rows for _, rows in victims), "no preemption hit a split window"
     _check(tiny_ckpt, refs, "w8-half", out, None)
@@ -510,7 +510,7 @@ def test_aborts_and_id_reuse_mid_window_leave_nothing(tiny_ckpt, refs):
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.token_ids)
     assert len(aborted) == 2, "no request was caught mid-window"
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert pages_at_rest(engine)
     assert engine.scheduler.token_slots.num_free == engine.scheduler.token_slots.size
     assert engine.scheduler.cells.num_free == engine.scheduler.cells.size
     for i in range(len(PROMPTS)):

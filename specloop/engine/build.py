@@ -139,7 +139,7 @@ def build_rank(config: EngineConfig, model: OuroModel, device: torch.device, max
     prompts = [p for p in (f.prompts() for f in features) if p is not None]
     assert len(prompts) <= 1, "one feature plans prompts"
     prefix_cache, salt = None, ""
-    if config.enable_prefix_caching:
+    if config.prefix_caching:
         prefix_cache = kv.cache = PrefixCache(kv.allocator, mcfg.num_loops, config.block_size)
         salt = identity_salt(prefix_identity(config, model, backend_name(config.attention_backend, device), threshold))
     scheduler = Scheduler(kv, mcfg.num_loops, rows, config.max_num_seqs, num_token_slots,

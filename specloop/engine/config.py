@@ -43,8 +43,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch (the readable reference) | triton
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the triton backend)
     preemption_mode: str = "recompute"  # KV pages ran out: recompute (re-enter its tokens) | swap (snapshot to host)
-    enable_prefix_caching: bool = False  # share full prompt blocks' KV between requests (off until
-    # measured on the GPU)
+    enable_prefix_caching: bool | None = None  # share full prompt blocks' KV between requests; unset:
+    # on, except with INT4 residuals or a token-sparse window that is not a multiple of block_size
+    # (`prefix_caching`, which says why)
     tensor_parallel_size: int = 1  # ranks the model's heads and MLP columns are split over (gloo on CPU, NCCL on CUDA)
     # FlashLoop groups (off by default): a dict, a JSON object string or the group's dataclass.
     token_sparse_prefill: TokenSparsePrefill = dataclasses.field(default_factory=TokenSparsePrefill)
@@ -88,11 +89,24 @@ class EngineConfig:
             raise ConfigError("preemption_mode 'swap' does not work with tensor_parallel_size > 1 yet (a snapshot "
                               "would hold rank 0's heads of the KV only); use 'recompute'")
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether automatic prefix caching is on: as set, or, unset, on unless it would cost
+        more than it saves without a shared prefix (measured: bench/results/prefix_cache_*.json).
+        Unset it stays off with INT4 residuals: an INT4 prompt then keeps its BF16 pages at
+        every plane until its blocks are offered, giving up the prefill capacity INT4 exists
+        for; and off with a token-sparse window that is not a multiple of block_size (only
+        whole windows could be shared)."""
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        tsp = self.token_sparse_prefill
+        return not self.kv_residual_quantization.enabled and not (tsp.active and tsp.window % self.block_size)
+
     def _check_prefix_caching(self) -> None:
         """Prefix caching shares prompt blocks: with token-sparse prefill whole windows of
         them; with INT4 residuals the BF16 pages (each reader encodes its own records)."""
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true, false or unset, got {self.enable_prefix_caching!r}")
         if not self.enable_prefix_caching:
             return
         tsp = self.token_sparse_prefill
@@ -132,6 +146,7 @@ class ResolvedConfig:
     attention_backend: str  # torch | triton
     cuda_graphs: bool  # loop passes replayed as CUDA graphs
     exit_threshold: float  # the Q-exit threshold in force (1.0: every loop runs)
+    prefix_caching: bool  # automatic prefix caching on (`EngineConfig.prefix_caching`)
 
     def summary(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -52,8 +52,8 @@ class QueueFullError(SpecloopError):
 class EngineStats:
     running: int
     waiting: int
-    kv_usage: float  # pages held or reserved / all pages
-    kv_bytes_used: int
+    kv_usage: float  # pages held or reserved / all pages (pages only the prefix cache holds count as free)
+    kv_bytes_used: int  # bytes of the pages (and INT4 records) requests hold
     num_kv_pages: int
     num_drafts: int = 0  # speculation rounds committed
     num_draft_tokens: int = 0
@@ -138,7 +138,8 @@ class EngineCore:
             dtype=str(weight.dtype).removeprefix("torch."),
             device=str(weight.device) if config.tensor_parallel_size == 1 else str(device),
             max_model_len=self.max_model_len, num_kv_pages=parts.num_pages, kv_page_bytes=parts.page_bytes,
-            attention_backend=self.backend.name, cuda_graphs=parts.graphed, exit_threshold=float(threshold))
+            attention_backend=self.backend.name, cuda_graphs=parts.graphed, exit_threshold=float(threshold),
+            prefix_caching=config.prefix_caching)
         log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",
                  config.model, device, parts.num_pages, config.block_size, parts.num_pages * parts.page_bytes / 2**20,
                  self.backend.name, "on" if parts.graphed else "off")

@@ -78,10 +78,16 @@ class PageAllocator:
         self.num_pages = num_pages
         self._refcounts = [0] * num_pages
         self._free: collections.deque[int] = collections.deque(range(num_pages))
+        self._num_shared = 0  # pages with refcount >= 2, kept as counts change (stats read it every step)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_shared(self) -> int:
+        """Pages with more than one reference (only the prefix cache shares pages)."""
+        return self._num_shared
 
     def free_list(self) -> list[int]:
         """The free pages in the order `allocate` will hand them out."""
@@ -103,6 +109,7 @@ class PageAllocator:
         self._check_held(pages)
         for page in pages:
             self._refcounts[page] += 1
+            self._num_shared += self._refcounts[page] == 2
 
     def decref(self, pages: list[int]) -> list[int]:
         """Drop one reference per entry; returns the pages that became free, in order.
@@ -114,6 +121,7 @@ class PageAllocator:
         released = []
         for page in pages:
             self._refcounts[page] -= 1
+            self._num_shared -= self._refcounts[page] == 1
             if self._refcounts[page] == 0:
                 self._free.append(page)
                 released.append(page)
@@ -141,6 +149,10 @@ class PageCache(Protocol):
     """Pages held only by a cache that gives them back on demand (the prefix cache's idle
     blocks): the KV manager counts them as room and evicts them when the free list falls
     short, before it refuses an allocation (`OutOfPages`)."""
+
+    @property
+    def num_idle_pages(self) -> int:
+        """Pages only the cache holds (O(1): read for every step's stats)."""
 
     @property
     def num_evictable_pages(self) -> int:
@@ -282,16 +294,22 @@ class KVManager:
     def usage(self) -> float:
         """Fraction of the pool held or reserved, in [0, 1]. Pages only the prefix cache
         holds count as free, as in vLLM: eviction hands them to the first request short of
-        room, so a full cache of idle blocks is not a full pool."""
+        room, so a full cache of idle blocks is not a full pool (a page of a block that a
+        request still holds at another plane counts as free here, though eviction takes
+        whole blocks)."""
         if self.num_pages == 0:
             return 0.0
-        idle = self.cache.num_evictable_pages if self.cache is not None else 0
-        return 1.0 - (self.num_available_pages + idle) / self.num_pages
+        return 1.0 - (self.num_available_pages + self._idle_pages) / self.num_pages
+
+    @property
+    def _idle_pages(self) -> int:
+        return self.cache.num_idle_pages if self.cache is not None else 0
 
     @property
     def total_bytes_used(self) -> int:
-        """Bytes of the pages (and residual records) held by anyone (a shared page counts once)."""
-        used = (self.num_pages - self.allocator.num_free) * self.page_bytes
+        """Bytes of the pages (and residual records) held by requests (a shared page counts
+        once); pages only the prefix cache holds count as free, as in `usage`."""
+        used = (self.num_pages - self.allocator.num_free - self._idle_pages) * self.page_bytes
         return used + (self.records.total_bytes_used if self.records is not None else 0)
 
     def can_admit(self, reserve_tokens: int) -> bool:

@@ -147,6 +147,8 @@ class PrefixCache:
     2. A cached block's parent is cached (or it is a chain's first block), and each block's
        child count is the number of cached blocks naming it as parent.
     3. The recency order holds exactly the cached blocks, sorted by their ticks.
+    4. Every page with more than one reference is a cached block's (only the cache shares
+       pages), and the allocator's count of such pages is right (`num_idle_pages` needs both).
     """
 
     def __init__(self, allocator: PageAllocator, num_planes: int, block_size: int) -> None:
@@ -179,6 +181,14 @@ class PrefixCache:
     def is_idle(self, block_hash: bytes) -> bool:
         """Whether only the cache holds the block (every page at refcount 1)."""
         return self._idle(self._blocks[block_hash])
+
+    @property
+    def num_idle_pages(self) -> int:
+        """Pages only the cache holds, in O(1): every cached page less those a request holds
+        too (only the cache shares pages, so those are the allocator's shared pages). A block
+        that a request holds at some planes only (INT4 planes give leading pages back at
+        their own pace) counts its other pages here, though `evict` takes whole blocks."""
+        return len(self._owner) - self.allocator.num_shared
 
     @property
     def num_evictable_pages(self) -> int:
@@ -394,4 +404,7 @@ class PrefixCache:
                 children[block.parent] += 1
         for block_hash, block in self._blocks.items():
             assert block.children == children[block_hash]
+        shared = [page for page in range(self.allocator.num_pages) if self.allocator.refcount(page) >= 2]
+        assert all(page in self._owner for page in shared), "only the cache shares pages"
+        assert self.allocator.num_shared == len(shared)
         assert 0 <= self.hit_blocks * self.block_size <= self.query_tokens

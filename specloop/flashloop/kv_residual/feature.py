@@ -134,13 +134,13 @@ class KVResidualFeature(FeatureDefaults):
             num_records = self.num_records
         store = PackedResiduals(m.num_hidden_layers, num_records, seqs, planes, s.max_model_len,
                                 m.num_key_value_heads, m.head_dim, group.tail, s.dtype, s.device, group.policy,
-                                num_pages + 1 if cfg.enable_prefix_caching else 0, cfg.block_size)
+                                num_pages + 1 if cfg.prefix_caching else 0, cfg.block_size)
         kv.records = ResidualRecords(planes, num_records, record_bytes, self.windows)
         kv.plane_spans, kv.aheads, kv.prompt_pages = self.spans, tuple(self._aheads()), self.prompt_pages
         groups = -(-(s.max_model_len + cfg.block_size) // RECORD_ROWS)
         # resets, records, truncates, release scans
         self.upload_ints = seqs + 4 * planes * groups * seqs + 2 * seqs + (2 + 2 * planes) * seqs
-        if cfg.enable_prefix_caching:  # cached prefixes adopted (a cell's length and offsets, its pages),
+        if cfg.prefix_caching:  # cached prefixes adopted (a cell's length and offsets, its pages),
             # and the prompt blocks a plan finishes (cell, position, a page per plane; at most a block per row)
             self.upload_ints += (2 + planes) * seqs + planes * -(-s.max_model_len // cfg.block_size) * seqs
             self.upload_ints += (2 + planes) * (cfg.max_num_batched_tokens + seqs)
@@ -171,7 +171,7 @@ class KVResidualFeature(FeatureDefaults):
         if self.s.speculation is not None:
             extra += (inflight + 1) * self.s.speculation.rows_per_request
         spans = [min(rows, (p + 1) * ahead) + max(1, inflight - 1) * ahead + extra for p in range(planes)]
-        if cfg.enable_prefix_caching:
+        if cfg.prefix_caching:
             # every plane holds its prompt pages until the deepest finished them and the ticket
             # that did came back (`Scheduler._unpublished`): the deepest plane's span, and the
             # plans in flight past it
