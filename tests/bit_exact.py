@@ -48,6 +48,21 @@ KEPT = ("prefill+decode+int4-plain-greedy", "prefill+decode+int4-block-greedy", 
         "prefill+decode+int4-exit-greedy", "dense-plain-seeded", "dense-block-seeded", "dense-pipeline-seeded")
 
 
+def cpu_key() -> str:
+    """The vector unit the bits depend on: torch's capability (tests/conftest.py pins AVX2)
+    and, on a CPU with AVX-512 beyond it, that too: the matmul libraries choose kernels by
+    the CPU itself, so a pinned AVX2 on an AVX-512 machine still rounds otherwise (seen:
+    the last bit of most logprobs)."""
+    key = torch.backends.cpu.get_cpu_capability()
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    if "avx512f" in flags and "AVX512" not in key:
+        key += "+avx512f"
+    return key
+
+
 def cells() -> list[tuple[str, tuple[bool, bool, bool], str, str]]:
     """(name, combo, mode, sampling): the 48 matrix cells, then adaptive exit with every
     feature off and with all three on."""
@@ -148,7 +163,7 @@ def record() -> None:
         old.unlink()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(Path(tmp), TINY, seed=CHECKPOINT_SEED)
-        result: dict[str, Any] = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cells": {}}
+        result: dict[str, Any] = {"cpu_capability": cpu_key(), "cells": {}}
         for name, combo, mode, sampling in cells():
             result["cells"][name], raw = run_cell(ckpt, combo, mode, sampling)
             if name in KEPT:

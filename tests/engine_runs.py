@@ -96,16 +96,17 @@ def run_all(engine: EngineCore, prompts: list[list[int]], params: SamplingParams
 
 
 @functools.lru_cache(maxsize=4)
-def _weights(ckpt: str) -> tuple[dict[str, torch.Tensor], object]:
-    model, _ = load_model(ckpt, dtype=torch.float32)
+def _weights(ckpt: str, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], object]:
+    model, _ = load_model(ckpt, dtype=dtype)
     return {name: p.detach() for name, p in model.named_parameters()}, model.config
 
 
 def reference_logprobs(ckpt, prompt: list[int], tokens: list[int], feats: FlashLoopFeatures,
-                       exit_threshold: float | None = None) -> torch.Tensor:
-    """[T, V] fp64 log-probabilities the FlashLoop reference (fp32, full recomputation) gives
-    each of `tokens`' positions after `prompt`: one forward over prompt + tokens[:-1]."""
-    weights, cfg = _weights(str(ckpt))
+                       exit_threshold: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[T, V] fp64 log-probabilities the FlashLoop reference (`dtype`, fp32 by default, full
+    recomputation) gives each of `tokens`' positions after `prompt`: one forward over
+    prompt + tokens[:-1]."""
+    weights, cfg = _weights(str(ckpt), dtype)
     ids = torch.tensor(prompt + tokens[:-1])
     logits = flashloop_forward(weights, cfg, ids, len(prompt), feats, exit_threshold).logits
     return torch.log_softmax(logits[len(prompt) - 1:].double(), -1)

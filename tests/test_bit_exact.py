@@ -3,9 +3,10 @@ snapshot contents and restored runs of every FlashLoop matrix cell and the adapt
 mode (CPU, fp32, the torch backend; `tests/bit_exact.py` says what a cell runs and how to
 record again); and the snapshots the recording tree wrote restore here and resume exactly.
 
-Bits are those of the CPU capability the record names: on a machine with another vector
-unit, tokens must still agree exactly and logprobs to 1e-6, and snapshot contents (their
-floats) are not compared.
+Bits are those of the CPU capability the record names (`bit_exact.cpu_key`): on a machine
+with another vector unit, tokens must still agree exactly and logprobs to 1e-6 + 1e-6 x
+|logprob| (a few fp32 steps: an AVX-512 machine differs from the AVX2 record by up to
+1.9e-6 at logprobs near -4), and snapshot contents (their floats) are not compared.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from tests import bit_exact
 
 RECORD = json.loads(bit_exact.RECORD.read_text())
-SAME_CPU = RECORD["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+SAME_CPU = RECORD["cpu_capability"] == bit_exact.cpu_key()
 CELLS = {name: (combo, mode, sampling) for name, combo, mode, sampling in bit_exact.cells()}
 
 
@@ -32,7 +33,7 @@ def _assert_emitted(got: dict, want: dict) -> None:
             as_float = [float.fromhex(x) for x in got[rid]["logprobs"]]
             torch.testing.assert_close(torch.tensor(as_float, dtype=torch.float64),
                                        torch.tensor([float.fromhex(x) for x in want[rid]["logprobs"]],
-                                                    dtype=torch.float64), atol=1e-6, rtol=0)
+                                                    dtype=torch.float64), atol=1e-6, rtol=1e-6)
 
 
 def test_the_record_covers_every_cell():
