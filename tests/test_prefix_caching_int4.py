@@ -26,7 +26,7 @@ from specloop.engine.core import EngineCore
 from specloop.engine.snapshot import RequestSnapshot
 from specloop.flashloop.kv_residual.planes import NEVER
 from tests.engine_runs import MODES, Outputs, assert_same, residual_planes, step_into
-from tests.test_prefix_caching import _params, _run as run_cached
+from tests.test_prefix_caching import _params, _run as run_cached, _want
 
 BS = 4
 TAIL = 13  # the serial policy's least with these speculation modes; prompt chunks read sealed groups
@@ -49,21 +49,16 @@ def _engine(ckpt, cache: bool, pages: int | None = 1024, policy: str = "serial",
     return EngineCore(EngineConfig.from_kwargs(str(ckpt), enable_prefix_caching=cache, **options))
 
 
+@pytest.fixture(scope="module")
+def uncached() -> dict:
+    """This module's uncached runs by key (INT4 engines: not test_prefix_caching's)."""
+    return {}
+
+
 def _at_rest(engine: EngineCore) -> None:
     """Every record is free (records are never shared)."""
     records = engine.kv.records
     assert records.num_free == records.num_records
-
-
-@pytest.fixture(scope="module")
-def uncached() -> dict:
-    return {}
-
-
-def _want(memo: dict, key: tuple, run) -> Outputs:
-    if key not in memo:
-        memo[key] = run()
-    return memo[key]
 
 
 @pytest.mark.parametrize("arrival,mode", [("sequential", "plain"), ("burst", "plain"), ("burst", "block-d2"),
