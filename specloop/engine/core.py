@@ -140,9 +140,10 @@ class EngineCore:
             max_model_len=self.max_model_len, num_kv_pages=parts.num_pages, kv_page_bytes=parts.page_bytes,
             attention_backend=self.backend.name, cuda_graphs=parts.graphed, exit_threshold=float(threshold),
             prefix_caching=config.prefix_caching)
-        log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s",
-                 config.model, device, parts.num_pages, config.block_size, parts.num_pages * parts.page_bytes / 2**20,
-                 self.backend.name, "on" if parts.graphed else "off")
+        log.info("engine ready: %s on %s, %d KV pages of %d tokens (%.1f MiB), attention backend %s, CUDA graphs %s, "
+                 "prefix caching %s", config.model, device, parts.num_pages, config.block_size,
+                 parts.num_pages * parts.page_bytes / 2**20, self.backend.name, "on" if parts.graphed else "off",
+                 "on" if config.prefix_caching else "off")
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
