@@ -27,7 +27,8 @@
 # prompt chunks' kernel, engine, graph and no-sync tests and bench/profile_prefill.py at 8K (dense,
 # int4; ROWS: the plan sizes, default "2048 8192"); PART=yardstick bench/plain_path.py (issue 39's plain compiled
 # path) and bench/baseline.py in one call; PART=prefix-cache the prefix caching engine tests on the GPU and
-# bench/prefix_cache.py (64 requests sharing a 4K prefix, caching off and on). Unset: tests, preempt, bench and
+# bench/prefix_cache.py (64 requests sharing a 4K prefix, caching off and on): fp32 (outputs equal), bf16 with
+# its noise floor (the uncached engine with other chunks), INT4 (32 requests). Unset: tests, preempt, bench and
 # serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
@@ -166,9 +167,13 @@ if [ "$PART" = yardstick ]; then  # issue 39: the engine against the plain compi
 fi
 if [ "$PART" = prefix-cache ]; then  # issue 41: tests on the GPU, then the shared-prefix benchmark
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 &
-  TAIL=8 step 200 python -m pytest -q -rf --tb=short tests/test_prefix_caching.py
+  TAIL=8 step 100 python -m pytest -q -rf --tb=short tests/test_prefix_caching.py tests/test_prefix_caching_int4.py -k cuda
   wait
-  TAIL=8 step 300 python bench/prefix_cache.py --model /tmp/ouro14 --out "$OUT/prefix_cache.json"
+  TAIL=8 step 110 python bench/prefix_cache.py --model /tmp/ouro14 --dtype float32 --requests 16 \
+    --out "$OUT/prefix_cache_fp32.json"  # outputs must be equal (the run fails otherwise)
+  TAIL=8 step 130 python bench/prefix_cache.py --model /tmp/ouro14 --noise-floor 1024 --out "$OUT/prefix_cache_bf16.json"
+  TAIL=8 step 200 python bench/prefix_cache.py --model /tmp/ouro14 --requests 32 --kv-residual-quantization '{}' \
+    --out "$OUT/prefix_cache_int4.json"
   exit 0
 fi
 if [ "$PART" = int4-prefill ]; then
