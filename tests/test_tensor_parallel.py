@@ -135,6 +135,39 @@ def test_engine_emits_what_one_process_emits(tiny_ckpt, tiny_mha_ckpt, name, siz
         torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(want[rid][1]), atol=tol, rtol=tol)
 
 
+def test_prefix_cache_hits_on_every_rank(tiny_ckpt):
+    """Prefix caching (on by default) with tensor parallelism: rank 0 schedules the hits and
+    every rank's pages hold its heads of the shared blocks, so a request that hits reads its
+    own heads there; the tokens equal one uncached process's (the second request arrives
+    after the first finished, so its 8 blocks of the shared head hit)."""
+    head = list(range(3, 35))
+    prompts = [head + [40, 41, 42], head + [50, 51]]
+
+    def run(size: int, cache: bool) -> tuple[dict[str, tuple[list[int], list[float]]], int]:
+        engine = EngineCore(EngineConfig.from_kwargs(
+            str(tiny_ckpt), dtype="float32", device="cpu", num_kv_pages=256, block_size=4,
+            tensor_parallel_size=size, enable_prefix_caching=cache))
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, GREEDY)
+                for o in engine.drain():
+                    tokens, logprobs = out.setdefault(o.request_id, ([], []))
+                    tokens += o.token_ids
+                    logprobs += o.logprobs
+            return out, engine.stats().prefix_cache_hits
+        finally:
+            if size > 1:
+                _close(engine)
+
+    want, _ = run(1, False)
+    got, hits = run(2, True)
+    assert hits == len(head)
+    for rid in want:
+        assert got[rid][0] == want[rid][0], rid
+        torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(want[rid][1]), atol=DENSE_TOL, rtol=DENSE_TOL)
+
+
 def test_snapshot_of_a_running_request_is_refused(tiny_ckpt):
     engine = _engine(tiny_ckpt, 2, "plain", False)
     try:
