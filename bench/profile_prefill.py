@@ -5,7 +5,8 @@
         --out bench/results/profile_prefill_8k_h200.json
 
 Per variant (dense; int4: --kv-residual-quantization '{}'; int4-exec: the same with the
-execution policy; sparse: token-sparse prefill; all: the three updates), one engine
+execution policy; sparse: token-sparse prefill; all: the three updates; any of them with
+"-paged" after it: prompt chunks through the paged kernel, not flash attention), one engine
 (random ouro-1.4b bf16, CUDA graphs for decode as the engine's defaults, 2048 rows a plan)
 runs a warm-up prompt (Triton compiles), then the same-length prompt with max_tokens 1:
 - ttft_s: wall time from add_request to the first token (best of --reps);
@@ -38,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specloop.engine.config import EngineConfig  # noqa: E402
 from specloop.engine.core import EngineCore  # noqa: E402
+from specloop.kernels import flash_prefill  # noqa: E402
 from specloop.sampling_params import SamplingParams  # noqa: E402
 
 VARIANTS = {
@@ -80,9 +82,18 @@ def _host_profile(engine: EngineCore, prompt: list[int], top: int) -> dict:
 
 
 def _variant(name: str, args: argparse.Namespace) -> dict:
-    engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=16,
-                                     max_num_batched_tokens=args.rows, max_model_len=args.max_model_len,
-                                     **VARIANTS[name]))
+    """`name`: a VARIANTS key, or one with "-paged" after it: prompt chunks through the
+    paged kernel instead of flash attention (the path before it, for an A/B in one process)."""
+    base = name.removesuffix("-paged")
+    supported = flash_prefill.supported
+    if name != base:
+        flash_prefill.supported = lambda *a: False
+    try:
+        engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=16,
+                                         max_num_batched_tokens=args.rows, max_model_len=args.max_model_len,
+                                         **VARIANTS[base]))
+    finally:
+        flash_prefill.supported = supported
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model.config.vocab_size
     prompts = [torch.randint(3, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.reps + 3)]
@@ -112,7 +123,8 @@ def _variant(name: str, args: argparse.Namespace) -> dict:
         raw.unlink()
     host = _host_profile(engine, prompts[-2], args.top)
     kernel_ms = sum(kernels.values()) / 1e3
-    record = {"variant": name, "features": VARIANTS[name], "prompt": args.prompt, "warm_s": warm,
+    record = {"variant": name, "features": VARIANTS[base], "rows": args.rows,
+              "flash_prefill": engine.backend.contiguous_min_rows is not None, "prompt": args.prompt, "warm_s": warm,
               "ttft_s": min(ttfts), "ttfts_s": ttfts, "profiled_wall_s": wall, "forward_calls": calls,
               "kernel_ms": kernel_ms, "gpu_idle_fraction": max(0.0, 1 - kernel_ms / 1e3 / wall),
               "top_kernels_ms": {k: v / 1e3 for k, v in kernels.most_common(args.top)},

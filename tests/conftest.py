@@ -46,6 +46,7 @@ SLOW = (
     "tests/test_sparse_decode_engine.py",  # 97
     "tests/test_speculation.py",  # 73
     "tests/test_attention_backends.py",  # 61: the interpreter end to end
+    "tests/test_flash_prefill.py::test_engine_with_the_path_equals_the_paged_kernel",  # 40: the interpreter
     "tests/test_bit_exact.py",  # 35
     "tests/test_kernels_residual_encode.py",  # 33
     "tests/test_kernels_paged_attention.py",  # 25

@@ -164,7 +164,8 @@ def build_rank(config: EngineConfig, model: OuroModel, device: torch.device, max
     batch_parts = [p for p in (f.batch_part(general_slots, num_token_slots) for f in features) if p is not None]
     batches = ForwardBatchBuilder(rows, config.max_num_seqs, mcfg.num_loops, -(-max_model_len // config.block_size),
                                   config.block_size, device, tile_rows=backend.tile_rows, buckets=buckets,
-                                  pad_slot=num_token_slots, parts=batch_parts)
+                                  pad_slot=num_token_slots, parts=batch_parts,
+                                  contiguous_min_rows=backend.contiguous_min_rows)
     slots = SlotStorage(num_token_slots + 1, mcfg.hidden_size, model.dtype, device,
                         keep_previous=any(f.keeps_previous() for f in features))
     devices = [d for d in (f.device(slots, store) for f in features) if d is not None]  # in the order they run

@@ -108,6 +108,8 @@ class LoopPass:
     page_size: int
     tiles: torch.Tensor | None = None  # [M, 3] long: query tiles, when the builder cuts them
     tile_rows: int = 0  # the most rows of any tile
+    contiguous: tuple[GroupShape, ...] = ()  # groups the tiles leave out: consecutive prompt rows ending at
+    # their context, which the backend attends over contiguous keys (`contiguous_min_rows`)
     token_slots: torch.Tensor | None = None  # [N_p] long: the rows' token slots
     block: torch.Tensor | None = None  # the pass's padded block in the device buffer (`PassLayout`)
     bucket: int = 0  # rows of the block (N_p padded up to a graph bucket, or N_p)
@@ -240,13 +242,17 @@ class ForwardBatchBuilder:
 
     def __init__(self, max_rows: int, max_seqs: int, num_loops: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device, tile_rows: tuple[int, int] | None = None,
-                 buckets: tuple[int, ...] = (), pad_slot: int = 0, parts: Sequence[BatchPart] = ()) -> None:
+                 buckets: tuple[int, ...] = (), pad_slot: int = 0, parts: Sequence[BatchPart] = (),
+                 contiguous_min_rows: int | None = None) -> None:
         """`tile_rows`: (small, large) query-tile sizes, or None for a backend without tiles;
         `buckets`: row counts a pass is padded up to (CUDA graph sizes; empty: no padding);
         `pad_slot`: the token slot padding rows name (a sink row of the slot storage);
-        `parts`: the FlashLoop features' shares of the batch (`BatchPart`), in order."""
+        `parts`: the FlashLoop features' shares of the batch (`BatchPart`), in order;
+        `contiguous_min_rows`: groups of at least this many consecutive rows ending at their
+        context (prompt chunks) get no tiles and are listed in `LoopPass.contiguous` (None: none)."""
         self.num_loops = num_loops
         self.tile_rows = tile_rows
+        self.contiguous_min_rows = contiguous_min_rows
         self.page_size = page_size
         self.device = device
         self.max_rows = max_rows
@@ -335,9 +341,12 @@ class ForwardBatchBuilder:
         plane_columns: list[list[int]] = [[] for _ in range(self.num_loops if plan.adaptive_exit else 0)]
         longest = _longest_tables(ordered)  # one table per (cell, plane): shorter ones are its prefixes
         firsts: list[int] = []  # each ordered group's first row
+        prompt_runs: set[int] = set()  # first rows of groups running prompt positions [start, end) whole
         for group in ordered:
             n = group.num_rows
             firsts.append(first)
+            if group.window is None and n == group.end - group.start and group.end <= group.decode_from:
+                prompt_runs.add(first)
             own = _table_offset(table_at, tables, longest, group.cell, group.depth)
             planes = [own] + [_table_offset(table_at, tables, longest, group.cell, plane)
                               for plane in range(group.depth + 1, group.depth + 1 + len(group.deeper_tables))]
@@ -371,14 +380,15 @@ class ForwardBatchBuilder:
                 head_ints.extend(_head_ints(row, group, results.get(id(group), -1)))
                 head_floats.extend(_head_floats(group))
         ints = cells + slots + tokens + enter + enter_inc + head_ints + tables
-        blocks = []  # (at, layout, rows, tile_rows, tiles, graphed, infos) per pass
+        blocks = []  # (at, layout, rows, tile_rows, tiles, graphed, infos, contiguous groups) per pass
         for part in self.parts:
             part.start(plan)
         for p, pass_shapes in enumerate(shapes):
             n = sum(s.rows for s in pass_shapes)
             infos = [part.pass_info(ordered, firsts, p, table_at) for part in self.parts]
             left_out = sorted(r for part, info in zip(self.parts, infos) for r in part.left_out(info))
-            tiles, tile_rows = self._tiles(pass_shapes, left_out)
+            contiguous = self._contiguous(pass_shapes, left_out, prompt_runs)
+            tiles, tile_rows = self._tiles(pass_shapes, left_out, contiguous)
             bucket = self.bucket(n)
             graphed = self.graphed(bucket, tile_rows) and all(part.fits_graph(info, bucket)
                                                               for part, info in zip(self.parts, infos))
@@ -386,12 +396,13 @@ class ForwardBatchBuilder:
                 layout = self.graph_layout(bucket, bool(plane_columns))  # the graph's shape
             else:
                 layout = self._layout(bucket, len(plane_columns), infos)
-            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, graphed, infos))
+            assert not (graphed and contiguous), "a graphed pass has small tiles only"
+            blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, graphed, infos, contiguous))
             ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns))
             for part, info, size in zip(self.parts, infos, layout.parts):
                 ints.extend(part.block_ints(info, n, cells, size, bucket))
         tails = []  # per pass and part: where its list starts in the upload
-        for *_, infos in blocks:
+        for *_, infos, _ in blocks:
             tails.append([])
             for part, info in zip(self.parts, infos):
                 tails[-1].append(len(ints))
@@ -411,7 +422,7 @@ class ForwardBatchBuilder:
         self._release_staging()
         batch = self._views(plan, first, len(enter), heads, len(tables), dev_ints, dev_floats, shapes, blocks,
                             host_groups, results)
-        for lp, (_, layout, _, _, _, graphed, infos), starts in zip(batch.passes, blocks, tails):
+        for lp, (_, layout, _, _, _, graphed, infos, _), starts in zip(batch.passes, blocks, tails):
             if not self.parts:  # (no views to cut: a dense engine's host time per call)
                 break
             for part, info, columns, at in zip(self.parts, infos, layout.views(lp.block)["parts"], starts):
@@ -438,15 +449,32 @@ class ForwardBatchBuilder:
             out += column[:n] + [-1] * pad
         return out
 
-    def _tiles(self, shapes: list[GroupShape], left_out: list[int]) -> tuple[list[int], int]:
+    def _contiguous(self, shapes: list[GroupShape], left_out: list[int], prompt_runs: set[int]
+                    ) -> tuple[GroupShape, ...]:
+        """The pass's groups the backend attends over contiguous keys: prompt chunks (every
+        position [start, end) in order, no generated token, not a token-sparse window's
+        selection) of at least `contiguous_min_rows` rows, none of them left out by a part."""
+        least = self.contiguous_min_rows
+        if least is None:
+            return ()
+        return tuple(s for s in shapes if s.rows >= least and s.first in prompt_runs
+                     and bisect.bisect_left(left_out, s.first) == bisect.bisect_left(left_out, s.first + s.rows))
+
+    def _tiles(self, shapes: list[GroupShape], left_out: list[int], contiguous: tuple[GroupShape, ...] = ()
+               ) -> tuple[list[int], int]:
         """(tiles, tile rows): the pass's query tiles without the rows a part leaves out (a
-        tail of their groups: sparse decode's corrections, which its own step computes)."""
+        tail of their groups: sparse decode's corrections, which its own step computes) and
+        without the `contiguous` groups. The tile size counts every group, so a pass with a
+        contiguous group keeps large tiles and runs eager (graphs hold small tiles only)."""
         if self.tile_rows is None:
             return [], 0
         small, large = self.tile_rows
         size = small if max((s.rows for s in shapes), default=0) <= small else large
         dense = []
+        skip = {s.first for s in contiguous}
         for s in shapes:  # rows left out ascend, a tail of each group's rows
+            if s.first in skip:
+                continue
             c = bisect.bisect_left(left_out, s.first + s.rows) - bisect.bisect_left(left_out, s.first)
             assert c == 0 or left_out[bisect.bisect_left(left_out, s.first)] == s.first + s.rows - c
             dense.append((s.first, s.rows - c, s.table))
@@ -489,10 +517,12 @@ class ForwardBatchBuilder:
         head_floats = floats[: 3 * h].view(h, 3) if h else floats[:0].view(0, 3)
         bs = self.page_size
         passes = []
-        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, _, _) in zip(shapes, blocks):
+        for pass_shapes, (start, layout, rows, tile_rows, num_tiles, _, _, contiguous) in zip(shapes, blocks):
             tiled = self.tile_rows is not None
-            passes.append(pass_view(layout, ints[start: start + layout.size], tables, bs, rows, pass_shapes,
-                                    tile_rows, num_tiles if tiled else None))
+            lp = pass_view(layout, ints[start: start + layout.size], tables, bs, rows, pass_shapes,
+                           tile_rows, num_tiles if tiled else None)
+            lp.contiguous = contiguous
+            passes.append(lp)
         segments: dict[type, HeadSegment] = {}
         start = 0
         for kind in HEAD_TYPES:

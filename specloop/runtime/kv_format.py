@@ -36,6 +36,7 @@ exact from them or reconstructed from the records, as the row reads it)."""
 
 class PagedKV:
     name = "bf16-pages"
+    contiguous_reads = True  # `read` returns a chunk's keys as stored (the flash prefill path gathers them)
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:

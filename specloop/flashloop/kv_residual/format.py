@@ -37,6 +37,8 @@ class PassReads:
 
 
 class PackedPlanes(PagedKV):
+    contiguous_reads = False  # a chunk reads keys reconstructed from records: the two-source kernel
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, planes: PackedResiduals) -> None:
         super().__init__(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)

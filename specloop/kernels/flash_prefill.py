@@ -1,0 +1,82 @@
+"""A prompt chunk's attention over its keys made contiguous: flash attention on CUDA, with
+its torch reference.
+
+    slots = chunk_key_slots(tables, table, context, page_size)   # once a loop pass
+    k, v = k_cache[slots], v_cache[slots]                          # per layer: [context, Hkv, D]
+    out = flash_chunk_attention(q, k, v, scale)                    # q [n, Hq, D], n <= context
+
+A chunk of n consecutive prompt rows ends at key context - 1: query i sits at position
+context - n + i and reads keys 0..context - n + i (causal, aligned bottom-right: the chunk
+after its prefix). The paged kernel (`paged_attention`) serves such a chunk too, but on the
+H200 it reaches about 171-215 TFLOP/s on an 8K prompt where flash attention over contiguous
+keys reaches about 540 (bench/results/paged_attention_h200.json, issue 39); gathering the
+keys costs one read of them a layer (an 8K chunk: 4 MiB each for K and V in bf16).
+
+Flash attention runs in bf16/fp16 only, so the engine takes this path for those dtypes on
+CUDA (`supported`); fp32 engines (the exactness tests) keep the paged kernel. A row's output
+here differs from the paged kernel's by bf16 rounding (other key blocks and softmax order),
+within the tolerances the tests declare.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def chunk_key_slots(tables: torch.Tensor, table: int, context: int, page_size: int) -> torch.Tensor:
+    """[context] long: the KV slot of each key 0..context-1 of a group whose page table
+    starts at `tables[table]` (device ops only, sizes from the host: no sync)."""
+    pages = -(-context // page_size)
+    firsts = tables[table: table + pages] * page_size
+    return (firsts[:, None] + torch.arange(page_size, device=tables.device)).reshape(-1)[:context]
+
+
+@functools.cache
+def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether flash attention serves these queries: CUDA (sm80+) with torch's flash kernels,
+    bf16/fp16, a head size it takes; checked once with a small call, so a build without
+    them falls back to the paged kernel instead of failing mid-request."""
+    if device.type != "cuda" or dtype not in FLASH_DTYPES or head_dim % 8 or head_dim > 256:
+        return False
+    if not torch.backends.cuda.is_flash_attention_available():
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        q = torch.zeros(3, 2, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(5, 1, head_dim, dtype=dtype, device=device)
+        flash_chunk_attention(q, k, k, head_dim ** -0.5)
+    except RuntimeError:
+        return False
+    return True
+
+
+def flash_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D], k/v [Lk, Hkv, D] (Hkv divides Hq, n <= Lk) -> [n, Hq, D], query i
+    reading keys 0..Lk - n + i. Flash attention's causal mask aligns bottom-right when
+    queries are fewer than keys (what torch's lower-right CausalBias relies on too)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # (the op takes equal heads)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0,
+        is_causal=True, return_debug_mask=False, scale=scale)[0]
+    return out[0].transpose(0, 1)
+
+
+def chunk_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """What `flash_chunk_attention` computes, readably: scores and softmax in fp32 (at least)."""
+    n, lk = q.shape[0], k.shape[0]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(acc).repeat_interleave(group, dim=1)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.to(acc), kf) * scale
+    allowed = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lk - n, lk, device=q.device)[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hnl,lhd->nhd", probs, vf).to(q.dtype)
