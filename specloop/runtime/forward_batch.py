@@ -390,13 +390,12 @@ class ForwardBatchBuilder:
             contiguous = self._contiguous(pass_shapes, left_out, prompt_runs)
             tiles, tile_rows = self._tiles(pass_shapes, left_out, contiguous)
             bucket = self.bucket(n)
-            graphed = self.graphed(bucket, tile_rows) and all(part.fits_graph(info, bucket)
-                                                              for part, info in zip(self.parts, infos))
+            graphed = not contiguous and self.graphed(bucket, tile_rows) and all(
+                part.fits_graph(info, bucket) for part, info in zip(self.parts, infos))
             if graphed:
                 layout = self.graph_layout(bucket, bool(plane_columns))  # the graph's shape
             else:
                 layout = self._layout(bucket, len(plane_columns), infos)
-            assert not (graphed and contiguous), "a graphed pass has small tiles only"
             blocks.append((len(ints), layout, n, tile_rows, len(tiles) // TILE_COLUMNS, graphed, infos, contiguous))
             ints.extend(self._block(layout, n, p, positions, depths, slots, pass_shapes, tiles, plane_columns))
             for part, info, size in zip(self.parts, infos, layout.parts):
@@ -464,17 +463,16 @@ class ForwardBatchBuilder:
                ) -> tuple[list[int], int]:
         """(tiles, tile rows): the pass's query tiles without the rows a part leaves out (a
         tail of their groups: sparse decode's corrections, which its own step computes) and
-        without the `contiguous` groups. The tile size counts every group, so a pass with a
-        contiguous group keeps large tiles and runs eager (graphs hold small tiles only)."""
+        without the `contiguous` groups, whose rows then do not decide the tile size (decodes
+        beside a prompt chunk keep small tiles; such a pass runs eager all the same)."""
         if self.tile_rows is None:
             return [], 0
         small, large = self.tile_rows
-        size = small if max((s.rows for s in shapes), default=0) <= small else large
-        dense = []
         skip = {s.first for s in contiguous}
-        for s in shapes:  # rows left out ascend, a tail of each group's rows
-            if s.first in skip:
-                continue
+        tiled = [s for s in shapes if s.first not in skip]
+        size = small if max((s.rows for s in tiled), default=0) <= small else large
+        dense = []
+        for s in tiled:  # rows left out ascend, a tail of each group's rows
             c = bisect.bisect_left(left_out, s.first + s.rows) - bisect.bisect_left(left_out, s.first)
             assert c == 0 or left_out[bisect.bisect_left(left_out, s.first)] == s.first + s.rows - c
             dense.append((s.first, s.rows - c, s.table))

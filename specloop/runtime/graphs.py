@@ -119,9 +119,11 @@ class LoopGraphs:
         return self.run_pass(lp, g.hidden)
 
     def fits(self, lp: LoopPass) -> bool:
-        """A pass replays when its rows fill a captured bucket and its tiles are the small ones
-        (the builder gave such a pass the graph's layout: `ForwardBatchBuilder.graphed`)."""
-        return (lp.bucket, self._variant(lp)) in self.graphs and lp.tile_rows == self.tile_rows
+        """A pass replays when its rows fill a captured bucket, its tiles are the small ones
+        and no prompt chunk goes without tiles (the builder gave such a pass the graph's
+        layout: `ForwardBatchBuilder.build`)."""
+        return (not lp.contiguous and (lp.bucket, self._variant(lp)) in self.graphs
+                and lp.tile_rows == self.tile_rows)
 
     def _variant(self, lp: LoopPass) -> bool:
         return any(note in lp.notes for note in self.variant_notes)
