@@ -26,7 +26,8 @@
 # the variants, e.g. "dense sparse int4 all"; BATCHES, e.g. 1,16); PART=int4-prefill the INT4
 # prompt chunks' kernel, engine, graph and no-sync tests and bench/profile_prefill.py at 8K (dense,
 # int4; ROWS: the plan sizes, default "2048 8192"); PART=yardstick bench/plain_path.py (issue 39's plain compiled
-# path) and bench/baseline.py in one call; PART=prefix-cache the prefix caching engine tests on the GPU and
+# path) and bench/baseline.py in one call; PART=serve-sweep bench/serve.py at concurrency 16/64/128 (CONCURRENCY),
+# dense and with block rounds (plot: bench/plot_serve.py); PART=prefix-cache the prefix caching engine tests on the GPU and
 # bench/prefix_cache.py (64 requests sharing a 4K prefix, caching off and on): fp32 (outputs equal), bf16 with
 # its noise floor (the uncached engine with other chunks), INT4 (32 requests). Unset: tests, preempt, bench and
 # serve, one after the other.
@@ -163,6 +164,23 @@ if [ "$PART" = yardstick ]; then  # issue 39: the engine against the plain compi
   python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
   TAIL=30 step 330 python bench/plain_path.py --model /tmp/ouro14 --out "$OUT/plain_path.json"
   TAIL=12 step 200 python bench/baseline.py --model /tmp/ouro14 --out "$OUT/baseline_fast_path.json"
+  exit 0
+fi
+if [ "$PART" = serve-sweep ]; then  # issue 39 item 4: HTTP load at concurrency 16/64/128, dense and block rounds
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1
+  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  for mode in dense block; do
+    extra=""; [ "$mode" = block ] && extra="--speculation block"
+    server="python3 -m server --model /tmp/ouro14 --served-model-name ouro-1.4b-random --port 8000 --log-level warning $extra"
+    $server & pid=$!
+    for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+    for c in ${CONCURRENCY:-16 64 128}; do
+      TAIL=4 step 90 python bench/serve.py --base-url http://127.0.0.1:8000 --prompt-len 256 --output-len 64 --seed 0 \
+        --num-requests $((c > 32 ? 2 * c : 64)) --concurrency $c --label "${GPU_NAME:-GPU}, random ouro-1.4b (bf16), $mode, concurrency $c" \
+        --server-command "$server" --out "$OUT/serve_sweep_${mode}_c$c.json"
+    done
+    kill -INT $pid; wait $pid
+  done
   exit 0
 fi
 if [ "$PART" = prefix-cache ]; then  # issue 41: tests on the GPU, then the shared-prefix benchmark
