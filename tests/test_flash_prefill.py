@@ -61,6 +61,23 @@ def test_flash_matches_the_reference(dtype, n, keys, heads, kv_heads):
     got = flash_prefill.flash_chunk_attention(q, k, v, 128 ** -0.5)
     want = chunk_attention_reference(q, k, v, 128 ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    strided = torch.cat([q, q], dim=1)[:, :heads]  # q as the model gives it: a view with a row stride
+    torch.testing.assert_close(flash_prefill.flash_chunk_attention(strided, k, v, 128 ** -0.5), got)
+
+
+@pytest.mark.skipif(not CUDA, reason="flash attention runs on CUDA")
+@pytest.mark.parametrize("fn", ["_square", "_after_prefix"])
+def test_each_backend_on_a_square_chunk(fn):
+    """Both the cuDNN path (taken where queries are as many as keys, when it works here) and
+    flash on the same square chunk, against the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(300, 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    assert flash_prefill.supported(torch.device("cuda"), torch.bfloat16, 128)
+    if fn == "_square" and not flash_prefill._SQUARE_OK[flash_prefill.square_key(q.device, torch.bfloat16, 128)]:
+        pytest.skip("cuDNN attention is not available here")
+    got = getattr(flash_prefill, fn)(q, k, v, 128 ** -0.5)
+    torch.testing.assert_close(got.float(), chunk_attention_reference(q, k, v, 128 ** -0.5).float(),
+                               atol=1e-2, rtol=1e-2)
 
 
 def _engine(ckpt, backend: str, dtype: str = "float32", **kw) -> EngineCore:
@@ -160,7 +177,7 @@ def test_bf16_engine_with_flash_prefill_near_the_paged_kernel(tiny_ckpt, monkeyp
     """Long prompts in 256-row chunks beside decodes (CUDA graphs on), bf16: each token's
     logprob with the flash path within bf16 noise of the paged kernel's, as long as the
     tokens before it agree."""
-    prompts = [list(range(3, 3 + 700)), [11] * 300, list(range(500, 900))]
+    prompts = [[3 + (7 * i) % 370 for i in range(700)], [11] * 300, [3 + (5 * i) % 370 for i in range(400)]]
 
     def run(contiguous: bool):
         if not contiguous:

@@ -7,10 +7,14 @@ its torch reference.
 
 A chunk of n consecutive prompt rows ends at key context - 1: query i sits at position
 context - n + i and reads keys 0..context - n + i (causal, aligned bottom-right: the chunk
-after its prefix). The paged kernel (`paged_attention`) serves such a chunk too, but on the
-H200 it reaches about 171-215 TFLOP/s on an 8K prompt where flash attention over contiguous
-keys reaches about 540 (bench/results/paged_attention_h200.json, issue 39); gathering the
-keys costs one read of them a layer (an 8K chunk: 4 MiB each for K and V in bf16).
+after its prefix). The paged kernel (`paged_attention`) serves such a chunk too, at about
+210 TFLOP/s on an 8K prompt on the H100; over contiguous keys torch's flash kernel (FA2)
+runs 255 and cuDNN's 459 where the chunk is the whole prompt (a square causal mask), but
+cuDNN falls to 196 for a chunk after its prefix, where flash keeps 250
+(bench/results/prefill_attention_sweep_8k_h100.json, _2k_). So a chunk that starts the
+prompt goes to cuDNN, one after a prefix to flash (`_square`, `_after_prefix`, each
+checked once by `supported`). Gathering the keys costs one read of them a layer (an 8K
+chunk: 4 MiB each for K and V in bf16).
 
 Flash attention runs in bf16/fp16 only, so the engine takes this path for those dtypes on
 CUDA (`supported`); fp32 engines (the exactness tests) keep the paged kernel. A row's output
@@ -46,26 +50,61 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         return False
     if torch.cuda.get_device_capability(device) < (8, 0):
         return False
+    q = torch.randn(3, 2, head_dim, dtype=dtype, device=device)
+    k = torch.randn(5, 1, head_dim, dtype=dtype, device=device)
     try:
-        q = torch.zeros(3, 2, head_dim, dtype=dtype, device=device)
-        k = torch.zeros(5, 1, head_dim, dtype=dtype, device=device)
-        flash_chunk_attention(q, k, k, head_dim ** -0.5)
+        _after_prefix(q, k, k, head_dim ** -0.5)
     except RuntimeError:
         return False
+    _SQUARE_OK[square_key(device, dtype, head_dim)] = _works(_square, k.expand(5, 2, head_dim), k, k,
+                                                             head_dim ** -0.5)
     return True
+
+
+_SQUARE_OK: dict[tuple[int, torch.dtype, int], bool] = {}  # `square_key` -> cuDNN works there
+
+
+def square_key(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, torch.dtype, int]:
+    return (device.index if device.index is not None else torch.cuda.current_device()), dtype, head_dim
+
+
+def _works(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
+    """Whether `fn` runs and agrees with the reference here (a backend that is missing or
+    rejects the shape raises; one that misbehaves would differ)."""
+    try:
+        got = fn(q, k, v, scale)
+    except RuntimeError:
+        return False
+    return bool(torch.allclose(got.float(), chunk_attention_reference(q, k, v, scale).float(), atol=2e-2, rtol=2e-2))
 
 
 def flash_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, Hq, D], k/v [Lk, Hkv, D] (Hkv divides Hq, n <= Lk) -> [n, Hq, D], query i
-    reading keys 0..Lk - n + i. Flash attention's causal mask aligns bottom-right when
-    queries are fewer than keys (what torch's lower-right CausalBias relies on too)."""
+    reading keys 0..Lk - n + i."""
     group = q.shape[1] // k.shape[1]
-    if group > 1:  # (the op takes equal heads)
+    if group > 1:  # (the ops take equal heads)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
+    if q.shape[0] == k.shape[0] and _SQUARE_OK.get(square_key(q.device, q.dtype, q.shape[-1])):
+        return _square(q, k, v, scale)
+    return _after_prefix(q, k, v, scale)
+
+
+def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Flash attention (FA2): its causal mask aligns bottom-right when queries are fewer
+    than keys (what torch's lower-right CausalBias relies on too)."""
     out = torch.ops.aten._scaled_dot_product_flash_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0,
         is_causal=True, return_debug_mask=False, scale=scale)[0]
+    return out[0].transpose(0, 1)
+
+
+def _square(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """cuDNN's attention for a chunk that is its whole context (queries as many as keys);
+    q made contiguous ([n, H, D]: the layout cuDNN is known to take)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.contiguous().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, False,
+        0.0, True, False, scale=scale)[0]
     return out[0].transpose(0, 1)
 
 
