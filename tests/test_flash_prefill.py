@@ -73,7 +73,7 @@ def test_each_backend_on_a_square_chunk(fn):
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(300, 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(3))
     assert flash_prefill.supported(torch.device("cuda"), torch.bfloat16, 128)
-    if fn == "_square" and not flash_prefill._SQUARE_OK[flash_prefill.square_key(q.device, torch.bfloat16, 128)]:
+    if fn == "_square" and flash_prefill.square_key(q.device, torch.bfloat16, 128) not in flash_prefill._SQUARE_MODE:
         pytest.skip("cuDNN attention is not available here")
     got = getattr(flash_prefill, fn)(q, k, v, 128 ** -0.5)
     torch.testing.assert_close(got.float(), chunk_attention_reference(q, k, v, 128 ** -0.5).float(),
@@ -160,6 +160,7 @@ def test_engine_with_the_path_equals_the_paged_kernel(tiny_ckpt, forced, monkeyp
     assert mixed, "no pass had a chunk beside tiled rows"
     assert forced and all(n >= 8 and keys >= n for n, keys in forced)
     assert any(keys > n for n, keys in forced), "a chunk after its prefix"
+    assert any(keys == n for n, keys in forced), "a chunk that is its whole context"
     monkeypatch.setattr(flash_prefill, "supported", lambda *a: False)
     paged = _engine(tiny_ckpt, "triton", **mode)
     assert paged.backend.contiguous_min_rows is None

@@ -13,8 +13,9 @@ runs 255 and cuDNN's 459 where the chunk is the whole prompt (a square causal ma
 cuDNN falls to 196 for a chunk after its prefix, where flash keeps 250
 (bench/results/prefill_attention_sweep_8k_h100.json, _2k_). So a chunk that starts the
 prompt goes to cuDNN, one after a prefix to flash (`_square`, `_after_prefix`, each
-checked once by `supported`). Gathering the keys costs one read of them a layer (an 8K
-chunk: 4 MiB each for K and V in bf16).
+checked once by `supported`). A chunk after a prefix gathers its keys once a layer (an 8K
+context: 4 MiB each for K and V in bf16); one that is its whole context reads the K/V it
+has just written, as the model computed them (`TritonAttention`).
 
 Flash attention runs in bf16/fp16 only, so the engine takes this path for those dtypes on
 CUDA (`supported`); fp32 engines (the exactness tests) keep the paged kernel. A row's output
@@ -56,12 +57,21 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         _after_prefix(q, k, k, head_dim ** -0.5)
     except RuntimeError:
         return False
-    _SQUARE_OK[square_key(device, dtype, head_dim)] = _works(_square, k.expand(5, 2, head_dim), k, k,
-                                                             head_dim ** -0.5)
+    # cuDNN on q, k, v as the model gives them (views of one QKV output, a row stride of
+    # 3 x heads x D), else on contiguous copies, else not at all
+    qkv = torch.randn(5, 3, 2, head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.unbind(1)
+    key = square_key(device, dtype, head_dim)
+    for mode in ("strided", "contiguous"):
+        _SQUARE_MODE[key] = mode
+        if _works(_square, q, k, v, head_dim ** -0.5):
+            break
+    else:
+        del _SQUARE_MODE[key]
     return True
 
 
-_SQUARE_OK: dict[tuple[int, torch.dtype, int], bool] = {}  # `square_key` -> cuDNN works there
+_SQUARE_MODE: dict[tuple[int, torch.dtype, int], str] = {}  # `square_key` -> how cuDNN takes a square chunk
 
 
 def square_key(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, torch.dtype, int]:
@@ -85,7 +95,7 @@ def flash_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     if group > 1:  # (the ops take equal heads)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    if q.shape[0] == k.shape[0] and _SQUARE_OK.get(square_key(q.device, q.dtype, q.shape[-1])):
+    if q.shape[0] == k.shape[0] and square_key(q.device, q.dtype, q.shape[-1]) in _SQUARE_MODE:
         return _square(q, k, v, scale)
     return _after_prefix(q, k, v, scale)
 
@@ -101,9 +111,11 @@ def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 def _square(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """cuDNN's attention for a chunk that is its whole context (queries as many as keys);
-    q made contiguous ([n, H, D]: the layout cuDNN is known to take)."""
+    on contiguous copies where it did not take the model's strided views (`supported`)."""
+    if _SQUARE_MODE[square_key(q.device, q.dtype, q.shape[-1])] == "contiguous":
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.contiguous().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, False,
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, False,
         0.0, True, False, scale=scale)[0]
     return out[0].transpose(0, 1)
 

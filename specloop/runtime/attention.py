@@ -178,8 +178,9 @@ class TritonMeta:
     table_offsets: torch.Tensor
     kv_state: Any = None  # the format's (`PagedKV.pass_state`)
     rows: Any = None  # the row attention's (`RowAttention.build`)
-    contiguous: list[tuple[slice, torch.Tensor]] = dataclasses.field(default_factory=list)  # per prompt
-    # chunk the tiles leave out (`LoopPass.contiguous`): its rows, the KV slots of its keys 0..context-1
+    contiguous: list[tuple[slice, torch.Tensor | None]] = dataclasses.field(default_factory=list)  # per
+    # prompt chunk the tiles leave out (`LoopPass.contiguous`): its rows, the KV slots of its keys
+    # 0..context-1 (None: the chunk is its whole context and reads the pass's own k, v)
 
 
 class TritonAttention:
@@ -217,7 +218,10 @@ class TritonAttention:
             longest = max((s.context for s in lp.groups), default=0)
             splits = self.kv.splits(lp.tiles.shape[0], self.num_kv_heads, longest, self.num_sms)
         rows = self.rows.build(lp, keep, keep_scores=True) if self.rows is not None else None
+        # a chunk that is its whole context reads the pass's own k, v (as written, unless
+        # adaptive exit keeps stored values for some rows); others gather from their pages
         contiguous = [(slice(s.first, s.first + s.rows),
+                       None if s.context == s.rows and keep is None else
                        flash_prefill.chunk_key_slots(lp.tables, s.table, s.context, lp.page_size))
                       for s in lp.contiguous]
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
@@ -228,7 +232,7 @@ class TritonAttention:
         kv.write(layer, meta.write_slots, k, v, meta.keep)
         kv.encode(layer, meta.kv_state)
         if meta.contiguous:
-            return self._with_contiguous(layer, q, meta)
+            return self._with_contiguous(layer, q, k, v, meta)
         if meta.rows is None:
             return kv.attention(layer, q, meta, meta.kv_state, None, False, None, None)[0]
         out = torch.zeros_like(q) if self.rows.leaves_rows_out(meta.rows) else None
@@ -237,13 +241,18 @@ class TritonAttention:
         out, lse = kv.attention(layer, q, meta, meta.kv_state, out, kept is not None, scores, score_rows)
         return self.rows.attend(layer, q, out, meta.rows, kv, meta.kv_state, use_triton=True, lse=lse)
 
-    def _with_contiguous(self, layer: int, q: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
-        """The pass's prompt chunks through flash attention over their gathered keys, the
-        other rows through the paged launch (skipped when they are none)."""
+    def _with_contiguous(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta
+                         ) -> torch.Tensor:
+        """The pass's prompt chunks through flash attention over their keys made contiguous,
+        the other rows through the paged launch (skipped when they are none)."""
         kv, scale = self.kv, q.shape[-1] ** -0.5
+
+        def keys(rows: slice, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            return (k[rows], v[rows]) if slots is None else kv.read(layer, slots)
+
         (rows, slots), *more = meta.contiguous
         if not more and rows == slice(0, q.shape[0]) and meta.rows is None:  # one chunk is the whole pass
-            return flash_prefill.flash_chunk_attention(q, *kv.read(layer, slots), scale)
+            return flash_prefill.flash_chunk_attention(q, *keys(rows, slots), scale)
         out, lse, kept = None, None, None
         if meta.rows is not None:
             out = torch.zeros_like(q) if self.rows.leaves_rows_out(meta.rows) else None
@@ -254,7 +263,7 @@ class TritonAttention:
         elif out is None:
             out = torch.empty_like(q)
         for rows, slots in meta.contiguous:
-            out[rows] = flash_prefill.flash_chunk_attention(q[rows], *kv.read(layer, slots), scale)
+            out[rows] = flash_prefill.flash_chunk_attention(q[rows], *keys(rows, slots), scale)
         if meta.rows is None:
             return out
         return self.rows.attend(layer, q, out, meta.rows, kv, meta.kv_state, use_triton=True, lse=lse)
