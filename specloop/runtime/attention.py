@@ -13,9 +13,9 @@ consecutive single-row groups (decodes) attends in one padded gather; every othe
 `TritonAttention` is the fast path: one launch of the paged attention kernel
 (`specloop.kernels.paged_attention`) per layer over the batch's query tiles, split-KV when
 there are too few tiles to fill the GPU; in bf16/fp16 over BF16 pages, prompt chunks of at
-least `CONTIGUOUS_MIN_ROWS` rows get no tiles and attend with flash attention over their
-keys gathered contiguous (`specloop.kernels.flash_prefill`: about 2.5x the paged kernel's
-rate on an 8K prompt). All sizes come from the batch's host-side shapes: nothing is read
+least `CONTIGUOUS_MIN_ROWS` rows get no tiles and attend over their keys made contiguous
+(`specloop.kernels.flash_prefill`: cuDNN for a chunk that is the whole prompt, 2.2x the
+paged kernel's rate on an 8K prompt on the H100; torch's flash kernel after a prefix, 1.2x). All sizes come from the batch's host-side shapes: nothing is read
 back from the device.
 
 Neither names a FlashLoop feature: the KV format (`specloop.runtime.kv_format`: BF16 pages,
@@ -191,8 +191,8 @@ class TritonAttention:
     chunks, where it is compute-bound and larger tiles reuse each key tile more.
 
     `contiguous_min_rows` (the forward batch reads it): prompt chunks of at least that many
-    rows attend through flash attention over their keys gathered contiguous instead, where
-    the format stores plain pages and flash attention takes the dtype (None: never)."""
+    rows attend over their keys made contiguous instead (`flash_prefill`), where the format
+    stores plain pages and flash attention takes the dtype (None: never)."""
 
     name = "triton"
     SMALL_M, LARGE_M = 16, 64
