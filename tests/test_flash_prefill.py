@@ -15,9 +15,10 @@ import torch
 from specloop.engine.config import EngineConfig
 from specloop.engine.core import EngineCore
 from specloop.kernels import flash_prefill
-from specloop.kernels.flash_prefill import chunk_attention_reference, chunk_key_slots
+from specloop.kernels.flash_prefill import chunk_attention_reference
 from specloop.kernels.paged_attention import paged_attention, query_tiles
 from specloop.runtime import attention
+from specloop.runtime.forward_batch import kv_slots
 from specloop.runtime.kv_format import sdpa
 from tests.engine_runs import assert_same, run_staggered
 
@@ -27,7 +28,7 @@ PROMPTS = [list(range(3, 60)), [5, 9, 2], [7] * 23 + list(range(40, 70))]
 
 def test_key_slots_follow_the_page_table():
     tables = torch.tensor([9, 9, 4, 0, 7, 2, 5])
-    slots = chunk_key_slots(tables, table=2, context=13, page_size=4)
+    slots = kv_slots(tables, 2, torch.arange(13), 4)  # what the backend gathers a chunk's keys at
     want = [tables[2 + j // 4].item() * 4 + j % 4 for j in range(13)]
     assert slots.tolist() == want
 

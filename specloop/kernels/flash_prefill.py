@@ -1,9 +1,8 @@
 """A prompt chunk's attention over its keys made contiguous: flash attention on CUDA, with
 its torch reference.
 
-    slots = chunk_key_slots(tables, table, context, page_size)   # once a loop pass
-    k, v = k_cache[slots], v_cache[slots]                          # per layer: [context, Hkv, D]
-    out = flash_chunk_attention(q, k, v, scale)                    # q [n, Hq, D], n <= context
+    k, v = k_cache[slots], v_cache[slots]         # the chunk's keys 0..context-1: [context, Hkv, D]
+    out = flash_chunk_attention(q, k, v, scale)   # q [n, Hq, D], n <= context
 
 A chunk of n consecutive prompt rows ends at key context - 1: query i sits at position
 context - n + i and reads keys 0..context - n + i (causal, aligned bottom-right: the chunk
@@ -30,14 +29,6 @@ import functools
 import torch
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def chunk_key_slots(tables: torch.Tensor, table: int, context: int, page_size: int) -> torch.Tensor:
-    """[context] long: the KV slot of each key 0..context-1 of a group whose page table
-    starts at `tables[table]` (device ops only, sizes from the host: no sync)."""
-    pages = -(-context // page_size)
-    firsts = tables[table: table + pages] * page_size
-    return (firsts[:, None] + torch.arange(page_size, device=tables.device)).reshape(-1)[:context]
 
 
 @functools.cache

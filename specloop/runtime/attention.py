@@ -35,7 +35,7 @@ import torch
 from specloop.errors import ConfigError
 from specloop.kernels import flash_prefill
 from specloop.kernels.paged_attention import block_g
-from specloop.runtime.forward_batch import GroupShape, LoopPass
+from specloop.runtime.forward_batch import GroupShape, LoopPass, kv_slots
 from specloop.runtime.kv_format import PagedKV
 
 BACKENDS = ("auto", "torch", "triton")
@@ -199,16 +199,14 @@ class TritonAttention:
     CONTIGUOUS_MIN_ROWS = 64  # a large tile's rows: smaller chunks stay in the paged launch
 
     def __init__(self, kv: PagedKV, num_heads: int, num_kv_heads: int, device: torch.device,
-                 rows: RowAttention | None = None, contiguous: bool = True) -> None:
-        """`contiguous`: prompt chunks may take the flash path (where `flash_prefill.supported`)."""
+                 rows: RowAttention | None = None) -> None:
         self.kv = kv
         self.rows = rows
         self.num_kv_heads = num_kv_heads
         g = block_g(num_heads, num_kv_heads)
         self.tile_rows = (max(1, self.SMALL_M // g), max(1, self.LARGE_M // g))
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        flash = (contiguous and kv.contiguous_reads
-                 and flash_prefill.supported(device, kv.k.dtype, kv.k.shape[-1]))
+        flash = kv.contiguous_reads and flash_prefill.supported(device, kv.k.dtype, kv.k.shape[-1])
         self.contiguous_min_rows = self.CONTIGUOUS_MIN_ROWS if flash else None
 
     def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TritonMeta:
@@ -222,48 +220,38 @@ class TritonAttention:
         # adaptive exit keeps stored values for some rows); others gather from their pages
         contiguous = [(slice(s.first, s.first + s.rows),
                        None if s.context == s.rows and keep is None else
-                       flash_prefill.chunk_key_slots(lp.tables, s.table, s.context, lp.page_size))
+                       kv_slots(lp.tables, s.table, torch.arange(s.context, device=lp.tables.device), lp.page_size))
                       for s in lp.contiguous]
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
                           lp.table_offsets, self.kv.pass_state(lp), rows, contiguous)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
+        """Store the rows' K/V, then the paged launch over the tiles (skipped when a pass's
+        rows are all prompt chunks attending over contiguous keys), the chunks, the row
+        attention's rows."""
         kv = self.kv
         kv.write(layer, meta.write_slots, k, v, meta.keep)
         kv.encode(layer, meta.kv_state)
-        if meta.contiguous:
-            return self._with_contiguous(layer, q, k, v, meta)
-        if meta.rows is None:
-            return kv.attention(layer, q, meta, meta.kv_state, None, False, None, None)[0]
-        out = torch.zeros_like(q) if self.rows.leaves_rows_out(meta.rows) else None
-        kept = self.rows.kept_scores(meta.rows)
-        scores, score_rows = kept if kept is not None else (None, None)
-        out, lse = kv.attention(layer, q, meta, meta.kv_state, out, kept is not None, scores, score_rows)
-        return self.rows.attend(layer, q, out, meta.rows, kv, meta.kv_state, use_triton=True, lse=lse)
+        scale = q.shape[-1] ** -0.5
 
-    def _with_contiguous(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta
-                         ) -> torch.Tensor:
-        """The pass's prompt chunks through flash attention over their keys made contiguous,
-        the other rows through the paged launch (skipped when they are none)."""
-        kv, scale = self.kv, q.shape[-1] ** -0.5
+        def chunk(rows: slice, slots: torch.Tensor | None) -> torch.Tensor:  # its own k, v or gathered keys
+            keys = (k[rows], v[rows]) if slots is None else kv.read(layer, slots)
+            return flash_prefill.flash_chunk_attention(q[rows], *keys, scale)
 
-        def keys(rows: slice, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            return (k[rows], v[rows]) if slots is None else kv.read(layer, slots)
-
-        (rows, slots), *more = meta.contiguous
-        if not more and rows == slice(0, q.shape[0]) and meta.rows is None:  # one chunk is the whole pass
-            return flash_prefill.flash_chunk_attention(q, *keys(rows, slots), scale)
+        if (len(meta.contiguous) == 1 and meta.contiguous[0][0] == slice(0, q.shape[0])
+                and meta.rows is None):  # one chunk is the whole pass
+            return chunk(*meta.contiguous[0])
         out, lse, kept = None, None, None
         if meta.rows is not None:
             out = torch.zeros_like(q) if self.rows.leaves_rows_out(meta.rows) else None
             kept = self.rows.kept_scores(meta.rows)
-        if meta.tiles.shape[0] or kept is not None:
+        if meta.tiles.shape[0] or kept is not None or not meta.contiguous:
             scores, score_rows = kept if kept is not None else (None, None)
             out, lse = kv.attention(layer, q, meta, meta.kv_state, out, kept is not None, scores, score_rows)
         elif out is None:
             out = torch.empty_like(q)
         for rows, slots in meta.contiguous:
-            out[rows] = flash_prefill.flash_chunk_attention(q[rows], *keys(rows, slots), scale)
+            out[rows] = chunk(rows, slots)
         if meta.rows is None:
             return out
         return self.rows.attend(layer, q, out, meta.rows, kv, meta.kv_state, use_triton=True, lse=lse)
@@ -280,10 +268,9 @@ def backend_name(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, num_kv_heads: int,
-                 rows: RowAttention | None = None, contiguous: bool = True) -> AttentionBackend:
+                 rows: RowAttention | None = None) -> AttentionBackend:
     """The backend `name` asks for (`backend_name`), reading and writing through the format
-    `kv`; `rows`: a feature's row attention (sparse decode attention), if on; `contiguous`:
-    Triton's prompt chunks may attend through flash attention (`TritonAttention`)."""
+    `kv`; `rows`: a feature's row attention (sparse decode attention), if on."""
     name = backend_name(name, device)
     if name == "torch":
         return TorchAttention(kv, rows)
@@ -291,7 +278,7 @@ def make_backend(name: str, kv: PagedKV, device: torch.device, num_heads: int, n
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU, "
                           "for tests: slow)")
-    return TritonAttention(kv, num_heads, num_kv_heads, device, rows, contiguous)
+    return TritonAttention(kv, num_heads, num_kv_heads, device, rows)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
