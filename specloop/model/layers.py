@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from specloop.config import ModelConfig
 from specloop.kernels import DTYPES as KERNEL_DTYPES, norms
+from specloop.kernels.gemv import linear
 from specloop.kernels.rope import rope_
 
 
@@ -85,6 +86,18 @@ class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+class Projection(nn.Linear):
+    """A bias-free nn.Linear (same parameters, same state-dict names) whose product at a
+    few rows runs the bandwidth-bound kernel of `specloop.kernels.gemv` (decode steps:
+    CUDA, bf16/fp16, no autograd); cuBLAS everywhere else."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
 @torch.no_grad()
 def _fuse_linears(*parts: nn.Linear) -> nn.Linear:
     """One bias-free Linear whose weight rows are the parts' rows, in order.
@@ -95,7 +108,7 @@ def _fuse_linears(*parts: nn.Linear) -> nn.Linear:
     assert all(p.bias is None for p in parts), "only bias-free projections are fused"
     weight = torch.cat([p.weight for p in parts])
     with torch.device("meta"):
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        fused = Projection(weight.shape[1], weight.shape[0])
     fused.weight = nn.Parameter(weight, requires_grad=parts[0].weight.requires_grad)
     return fused
 
@@ -108,10 +121,10 @@ class SelfAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Projection(cfg.hidden_size, self.num_heads * self.head_dim)
+        self.k_proj = Projection(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.v_proj = Projection(cfg.hidden_size, self.num_kv_heads * self.head_dim)
+        self.o_proj = Projection(self.num_heads * self.head_dim, cfg.hidden_size)
         self.fused = False
         kv = self.num_kv_heads * self.head_dim
         self._qkv_sizes = (self.num_heads * self.head_dim, kv, kv)
@@ -157,9 +170,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Projection(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Projection(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size)
         self.fused = False
         self._intermediate = cfg.intermediate_size
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from specloop.config import ModelConfig
 from specloop.model.exit_gate import exit_lambda
-from specloop.model.layers import AttentionBackend, OuroLayer, RMSNorm, Rotary, use_kernels
+from specloop.model.layers import AttentionBackend, OuroLayer, Projection, RMSNorm, Rotary, use_kernels
 
 
 class OuroBody(nn.Module):
@@ -33,7 +33,7 @@ class OuroModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = OuroBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     def fuse_projections(self) -> OuroModel:

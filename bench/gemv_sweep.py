@@ -1,0 +1,171 @@
+"""The few-row matmul kernel (`specloop.kernels.gemv`) against cuBLAS, then in the engine.
+
+    python bench/gemv_sweep.py --out bench/results/gemv_sweep_h100.json [--model /tmp/ouro14]
+
+Kernels: the `ouro-1.4b` shapes (qkv, o, gate_up, down of a layer, and the head) at
+M = 1, 2, 4, 8, 16 rows, cuBLAS (`F.linear`) and every launch in the sweep's grid; each
+timed as one CUDA graph of 24 calls on 24 copies of the weight (a layer's worth each, so
+the reads come from HBM, not L2, as in a decode step), replayed 20 times after a warm-up;
+reported per call with the weight bytes read per second. The best launch per (shape, M)
+and the defaults (`default_tiles`) are listed.
+
+Engine (`--model`): batch-1 and batch-4 decode after a 1K prompt (128 tokens, greedy, bf16,
+CUDA graphs), with the kernel off (`gemv.MAX_ROWS = 0`: cuBLAS) and on, alternated
+off/on/off/on in one process (an engine each; graphs are captured at start-up, so the
+switch is read then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from specloop.kernels import gemv
+
+SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
+          "head": (49152, 2048)}
+COPIES = 24
+REPLAYS = 20
+
+
+def _grid() -> list[gemv.Tiles]:
+    tiles = [gemv.Tiles(n, k, w, s, False) for n, k, w, s in
+             itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 2, 3))]
+    tiles += [gemv.Tiles(n, k, w, s, True) for n, k, w, s in
+              itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4, 5))]
+    return tiles
+
+
+def _time(fn, weights: list[torch.Tensor]) -> float:
+    """Seconds a call: one graph of a call per weight copy, replayed REPLAYS times."""
+    for w in weights[:2]:
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (REPLAYS * len(weights))
+
+
+def sweep_kernels(rows_list: list[int]) -> dict:
+    out: dict = {}
+    grid = _grid()
+    for name, (n, k) in SHAPES.items():
+        copies = 2 if name == "head" else COPIES  # 200 MB a copy: past L2 already
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        nbytes = n * k * 2
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            want = F.linear(x, weights[0])
+            cublas = _time(lambda w: torch.matmul(x, w.T, out=y), weights)
+            results = []
+            for t in grid:
+                if not t.dot and rows > 1:
+                    continue
+                try:
+                    got = gemv.gemv(x, weights[0], t)
+                    err = (got.float() - want.float()).abs().max().item()
+                    sec = _time(lambda w, t=t: gemv.gemv(x, w, t, out=y), weights)
+                except Exception as e:  # a launch the compiler refuses (shared memory): skipped, listed
+                    results.append({"tiles": t._asdict(), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                    continue
+                results.append({"tiles": t._asdict(), "us": sec * 1e6, "tb_s": nbytes / sec / 1e12, "max_err": err})
+            ok = [r for r in results if "us" in r]
+            best = min(ok, key=lambda r: r["us"])
+            d = gemv.default_tiles(rows, n, k)
+            default = next(r for r in ok if r["tiles"] == d._asdict())
+            out[f"{name}_m{rows}"] = {
+                "n": n, "k": k, "rows": rows, "cublas_us": cublas * 1e6, "cublas_tb_s": nbytes / cublas / 1e12,
+                "best": best, "default": default, "all": results}
+            print(f"{name:8s} M={rows:2d}  cuBLAS {cublas * 1e6:7.1f} us {nbytes / cublas / 1e12:4.2f} TB/s | "
+                  f"best {best['us']:7.1f} us {best['tb_s']:4.2f} TB/s {tuple(best['tiles'].values())} | "
+                  f"default {default['us']:7.1f} us", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return out
+
+
+def _decode(model: str, batch: int, tokens: int) -> float:
+    """Output tok/s of `batch` requests decoding after a 1K prompt (time from the last first
+    token to the end)."""
+    from specloop.engine.config import EngineConfig
+    from specloop.engine.core import EngineCore
+    from specloop.sampling_params import SamplingParams
+
+    engine = EngineCore(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                                     kv_cache_bytes=8 << 30, max_model_len=4096))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    engine.add_request("warm-up", torch.randint(3, 1000, (64,), generator=gen).tolist(), params)
+    engine.drain()
+    for i in range(batch):
+        engine.add_request(f"r{i}", torch.randint(3, 1000, (1024,), generator=gen).tolist(), params)
+    times: dict[str, list[float]] = {}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for o in engine.step():
+            times.setdefault(o.request_id, []).extend([time.perf_counter() - start] * len(o.token_ids))
+    first = max(t[0] for t in times.values())
+    last = max(t[-1] for t in times.values())
+    emitted = sum(sum(1 for x in t if x > first) for t in times.values())
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return emitted / (last - first)
+
+
+def engine_ab(model: str, batches: list[int], tokens: int) -> dict:
+    runs: dict = {}
+    saved = gemv.MAX_ROWS
+    for rep in range(2):
+        for label, rows in (("cublas", 0), ("gemv", saved)):
+            gemv.MAX_ROWS = rows
+            for b in batches:
+                rate = _decode(model, b, tokens)
+                runs.setdefault(f"{label}_b{b}", []).append(rate)
+                print(f"engine {label:6s} batch {b}: {rate:7.1f} tok/s", flush=True)
+    gemv.MAX_ROWS = saved
+    return {k: {"tok_s": v, "median": statistics.median(v)} for k, v in runs.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--no-kernels", action="store_true")
+    p.add_argument("--model", help="a checkpoint for the engine A/B (bf16 ouro-1.4b)")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--tokens", type=int, default=128)
+    args = p.parse_args()
+    result = {"command": " ".join(["python"] + sys.argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__}
+    if not args.no_kernels:
+        result["kernels"] = sweep_kernels([int(r) for r in args.rows.split(",")])
+    if args.model:
+        result["engine"] = engine_ab(args.model, [int(b) for b in args.batches.split(",")], args.tokens)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
