@@ -10,9 +10,9 @@ reported per call with the weight bytes read per second. The best launch per (sh
 and the defaults (`default_tiles`) are listed.
 
 Engine (`--model`): batch-1 and batch-4 decode after a 1K prompt (128 tokens, greedy, bf16,
-CUDA graphs), with the kernel off (`gemv.MAX_ROWS = 0`: cuBLAS) and on, alternated
-off/on/off/on in one process (an engine each; graphs are captured at start-up, so the
-switch is read then).
+CUDA graphs) before (cuBLAS, `gemv.MAX_ROWS = 0`, and each paired norm as two launches),
+with the paired norms alone, and after (both), alternated twice in one process (an engine
+each; graphs are captured at start-up, so the switches are read then).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from specloop.kernels import gemv
+from specloop.kernels import gemv, norms
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "head": (49152, 2048)}
@@ -134,17 +134,26 @@ def _decode(model: str, batch: int, tokens: int) -> float:
     return emitted / (last - first)
 
 
+def _norms_apart(h, x, weight, eps, weight2, eps2):
+    """The layer's paired norm as the two launches it replaced (the "before" of the A/B)."""
+    out = norms.add_rms_norm(h, x, weight, eps)
+    return out, norms.rms_norm(out, weight2, eps2)
+
+
 def engine_ab(model: str, batches: list[int], tokens: int) -> dict:
+    """before: cuBLAS and four norm launches a layer; norms: paired norms (two a layer);
+    after: paired norms and the few-row kernel (with the activation in the down product)."""
     runs: dict = {}
-    saved = gemv.MAX_ROWS
-    for rep in range(2):
-        for label, rows in (("cublas", 0), ("gemv", saved)):
-            gemv.MAX_ROWS = rows
+    rows, paired = gemv.MAX_ROWS, norms.add_rms_norm_pair
+    for _rep in range(2):
+        for label in ("before", "norms", "after"):
+            gemv.MAX_ROWS = rows if label == "after" else 0
+            norms.add_rms_norm_pair = _norms_apart if label == "before" else paired
             for b in batches:
                 rate = _decode(model, b, tokens)
                 runs.setdefault(f"{label}_b{b}", []).append(rate)
                 print(f"engine {label:6s} batch {b}: {rate:7.1f} tok/s", flush=True)
-    gemv.MAX_ROWS = saved
+    gemv.MAX_ROWS, norms.add_rms_norm_pair = rows, paired
     return {k: {"tok_s": v, "median": statistics.median(v)} for k, v in runs.items()}
 
 

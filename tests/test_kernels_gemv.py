@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specloop.kernels.gemv import MAX_ROWS, Tiles, default_tiles, gemv, linear, linear_reference, use_gemv
+from specloop.kernels.norms import silu_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu"
@@ -62,6 +63,22 @@ def test_default_tiles_on_the_models_shapes(dtype):
             x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
             assert default_tiles(rows, n, k).block_n > 0
             _within_a_rounding(gemv(x, w), x, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", [None, *TILES], ids=lambda t: "default" if t is None else f"n{t.block_n}dot{t.dot}")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_silu_operand_is_silu_mul(dtype, tiles, rows):
+    """silu=True reads [gate | up] and multiplies silu_mul's result, bit for bit the product
+    of `norms.silu_mul`'s output (the MLP's down projection relies on it)."""
+    gen = torch.Generator().manual_seed(7 + rows)
+    n, k = 40, 136
+    gate_up = (3 * torch.randn(rows, 2 * k, generator=gen)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    act = silu_mul(gate_up)
+    got = gemv(gate_up, w, tiles, silu=True)
+    assert torch.equal(got, gemv(act, w, tiles))
+    _within_a_rounding(got, act, w)
 
 
 def test_strided_rows_and_output():

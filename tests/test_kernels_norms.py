@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from specloop.kernels.norms import (
-    add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference, silu_mul, silu_mul_reference,
+    add_rms_norm, add_rms_norm_pair, add_rms_norm_pair_reference, add_rms_norm_reference, rms_norm,
+    rms_norm_reference, silu_mul, silu_mul_reference,
 )
 from specloop.model.layers import RMSNorm
 
@@ -67,6 +68,23 @@ def test_residual_rms_norm(dtype, n, size):
     x, h, w = _norm_case(n, size, dtype)
     y = rms_norm_reference(x, w, 1e-6)
     _close(add_rms_norm(h, x, w, 1e-6), add_rms_norm_reference(h, x, w, 1e-6), h.float().abs() + y.float().abs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, size", [(1, 64), (7, 48), (3, 200)])
+def test_residual_rms_norm_pair(dtype, n, size):
+    """The residual add and the next norm in one launch: bit for bit the two launches apart
+    (the layer relies on it), and near the references."""
+    x, h, w = _norm_case(n, size, dtype)
+    w2 = 1 - 0.05 * _rows(1, size, dtype, 6)[0]
+    got_h, got_y = add_rms_norm_pair(h, x[:, :size], w, 1e-6, w2, 1e-5)
+    apart = add_rms_norm(h, x, w, 1e-6)
+    assert torch.equal(got_h, apart)
+    assert torch.equal(got_y, rms_norm(apart, w2, 1e-5))
+    want_h, want_y = add_rms_norm_pair_reference(h, x, w, 1e-6, w2, 1e-5)
+    _close(got_h, want_h, h.float().abs() + rms_norm_reference(x, w, 1e-6).float().abs())
+    _close(got_y, rms_norm_reference(got_h, w2, 1e-5))
+    assert want_y.shape == got_y.shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

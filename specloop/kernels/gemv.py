@@ -53,11 +53,24 @@ def default_tiles(rows: int, n: int, k: int) -> Tiles:
     return Tiles(block_n=32, block_k=256, num_warps=4, num_stages=4, dot=True)
 
 
+@triton.jit
+def _operand(ptrs, ok, K, SILU: tl.constexpr):
+    """The rows' slice of the left operand: x, or silu(gate) * up with up K further on."""
+    if SILU:
+        gate = tl.load(ptrs, mask=ok, other=0.0)
+        up = tl.load(ptrs + K, mask=ok, other=0.0)
+        act = (gate.to(tl.float32) / (1.0 + tl.exp(-gate.to(tl.float32)))).to(gate.dtype)
+        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
-    """Columns [pid * BLOCK_N, +BLOCK_N) of every row: fp32 sums over the whole K."""
+                 DOT_FP32: tl.constexpr, SILU: tl.constexpr):
+    """Columns [pid * BLOCK_N, +BLOCK_N) of every row: fp32 sums over the whole K. SILU: x is
+    [gate | up] (2K wide) and the product's left operand is silu(gate) * up, rounded as
+    `norms.silu_mul` rounds it (the same expression, element by element)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -73,13 +86,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         k_ok = (k0 + ks) < K
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT:
-            x = tl.load(x_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _operand(x_tile + k0, row_ok[:, None] & k_ok[None, :], K, SILU)
             if DOT_FP32:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
         else:  # one row (BLOCK_M == 1)
-            x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0)
+            x = _operand(x_ptr + k0 + ks, k_ok, K, SILU)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     if DOT:
@@ -94,13 +107,16 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T with the Triton kernel, any M (the tests and the sweep call
-    it directly; the model goes through `linear`). `tiles` defaults to `default_tiles`."""
-    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    it directly; the model goes through `linear`). `tiles` defaults to `default_tiles`.
+    `silu`: x is [gate | up], [M, 2K], and the product is silu_mul(x) @ weight.T without
+    the intermediate (the MLP's down projection; `norms.silu_mul`'s bits)."""
+    k = weight.shape[1]
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == (2 * k if silu else k), (x.shape, weight.shape)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "K must be contiguous in x and weight"
     assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
-    m, k = x.shape
+    m = x.shape[0]
     n = weight.shape[0]
     tiles = tiles or default_tiles(m, n, k)
     if out is None:
@@ -111,7 +127,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None,
     block_m = max(16, triton.next_power_of_2(m)) if dot else 1
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=dot, DOT_FP32=_INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT=dot, DOT_FP32=_INTERPRET, SILU=silu,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 

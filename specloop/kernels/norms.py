@@ -2,6 +2,7 @@
 
     y = rms_norm(x, weight, eps)          # weight * RMSNorm(x)
     h = add_rms_norm(h, x, weight, eps)   # h + weight * RMSNorm(x)  (the sandwich norm's residual add)
+    h, y = add_rms_norm_pair(h, x, weight, eps, weight2, eps2)   # that h, and y = weight2 * RMSNorm(h)
     a = silu_mul(gate_up)                 # silu(gate) * up, gate_up = [gate | up]
 
 At batch 1 a decode step is thousands of tiny kernels, each a few microseconds of GPU
@@ -27,20 +28,32 @@ from specloop.kernels import DTYPES
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, h_ptr, out_ptr, stride_x, stride_h, stride_o, size, eps,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _normed(x, w_ptr, c, ok, size, eps, dtype):
+    """weight * RMSNorm(x) of an fp32 row, rounded as the model rounds (module docstring)."""
+    mean = tl.sum(x * x, axis=0) / size
+    normed = (x * tl.rsqrt(mean + eps)).to(dtype)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, h_ptr, out_ptr, w2_ptr, out2_ptr, stride_x, stride_h, stride_o, stride_o2,
+                     size, eps, eps2, ADD: tl.constexpr, NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row a program: y = weight * RMSNorm(x) (+ h with ADD); with NEXT also
+    weight2 * RMSNorm(y) into out2, the same arithmetic as a second launch on y (its
+    input is y as stored, one program a row, the same reduction layout)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < size
+    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0).to(tl.float32)
-    mean = tl.sum(x * x, axis=0) / size
-    normed = (x * tl.rsqrt(mean + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + c, mask=ok, other=0.0)
-    y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    y = _normed(x, w_ptr, c, ok, size, eps, dtype)
     if ADD:
         h = tl.load(h_ptr + row * stride_h + c, mask=ok, other=0.0)
-        y = (h.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        y = (h.to(tl.float32) + y.to(tl.float32)).to(dtype)
     tl.store(out_ptr + row * stride_o + c, y, mask=ok)
+    if NEXT:
+        tl.store(out2_ptr + row * stride_o2 + c, _normed(y.to(tl.float32), w2_ptr, c, ok, size, eps2, dtype), mask=ok)
 
 
 @triton.jit
@@ -60,23 +73,37 @@ def _check(x: torch.Tensor) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "rows [N, H] with a contiguous last dim"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, h: torch.Tensor | None = None,
+                 weight2: torch.Tensor | None = None, eps2: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check(x)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if h is not None:
+        _check(h)
+    out = torch.empty_like(x if h is None else h, memory_format=torch.contiguous_format)
+    out2 = None if weight2 is None else torch.empty_like(out)
     if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](x, weight, x, out, x.stride(0), 0, out.stride(0), x.shape[1], eps,
-                                        ADD=False, BLOCK=triton.next_power_of_2(x.shape[1]), enable_fp_fusion=False)
-    return out
+        _rms_norm_kernel[(x.shape[0],)](
+            x, weight, x if h is None else h, out, weight if weight2 is None else weight2,
+            out if out2 is None else out2, x.stride(0), 0 if h is None else h.stride(0), out.stride(0),
+            out.stride(0) if out2 is None else out2.stride(0), x.shape[1], eps, eps2, ADD=h is not None,
+            NEXT=weight2 is not None, BLOCK=triton.next_power_of_2(x.shape[1]), enable_fp_fusion=False)
+    return out, out2
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_norm(x, weight, eps)[0]
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    _check(x)
-    _check(h)
-    out = torch.empty_like(h, memory_format=torch.contiguous_format)
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](x, weight, h, out, x.stride(0), h.stride(0), out.stride(0), x.shape[1], eps,
-                                        ADD=True, BLOCK=triton.next_power_of_2(x.shape[1]), enable_fp_fusion=False)
-    return out
+    return _launch_norm(x, weight, eps, h)[0]
+
+
+def add_rms_norm_pair(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, weight2: torch.Tensor,
+                      eps2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + weight * RMSNorm(x), weight2 * RMSNorm(that)) in one launch: a sandwich norm's
+    residual add and the next norm that reads its result (the layer's two halves, and a
+    layer's end with the next layer's input norm), bit for bit the two kernels apart."""
+    out, out2 = _launch_norm(x, weight, eps, h, weight2, eps2)
+    return out, out2
 
 
 def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -98,6 +125,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def add_rms_norm_reference(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return h + rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm_pair_reference(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                                weight2: torch.Tensor, eps2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = add_rms_norm_reference(h, x, weight, eps)
+    return out, rms_norm_reference(out, weight2, eps2)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

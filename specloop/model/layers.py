@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from specloop.config import ModelConfig
 from specloop.kernels import DTYPES as KERNEL_DTYPES, norms
-from specloop.kernels.gemv import linear
+from specloop.kernels.gemv import gemv, linear, use_gemv
 from specloop.kernels.rope import rope_
 
 
@@ -51,6 +51,14 @@ class RMSNorm(nn.Module):
         if use_kernels(x):
             return norms.add_rms_norm(h, x, self.weight, self.eps)
         return h + self.torch_forward(x)
+
+    def add_then(self, h: torch.Tensor, x: torch.Tensor, after: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + self(x), after(h + self(x))): the residual add and the norm that reads it, one
+        kernel where kernels run (the same bits as `add_to` then `after`)."""
+        if use_kernels(x):
+            return norms.add_rms_norm_pair(h, x, self.weight, self.eps, after.weight, after.eps)
+        h = h + self.torch_forward(x)
+        return h, after.torch_forward(h)
 
 
 class Rotary(nn.Module):
@@ -96,6 +104,13 @@ class Projection(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
+
+    def of_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_mul(gate_up)); where the few-row kernel runs, with the activation in its
+        operand loads (one launch and no intermediate; the same bits)."""
+        if use_gemv(gate_up, self.weight):
+            return gemv(gate_up, self.weight, silu=True)
+        return self(norms.silu_mul(gate_up))
 
 
 @torch.no_grad()
@@ -190,6 +205,8 @@ class SwiGLU(nn.Module):
         if self.fused:
             gate_up = self.gate_up_proj(x)
             if use_kernels(gate_up):
+                if isinstance(self.down_proj, Projection):  # not a tensor-parallel wrapper
+                    return self.down_proj.of_silu(gate_up)
                 return self.down_proj(norms.silu_mul(gate_up))
             gate, up = gate_up.split(self._intermediate, dim=-1)
         else:
@@ -211,10 +228,15 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+        self, h: torch.Tensor, x: torch.Tensor, after: RMSNorm, cos: torch.Tensor | None, sin: torch.Tensor | None,
         backend: AttentionBackend, layer: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, backend, layer, rope)
-        h = self.input_layernorm_2.add_to(h, attn)
-        mlp = self.mlp(self.post_attention_layernorm(h))
-        return self.post_attention_layernorm_2.add_to(h, mlp)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, x) -> (h', after(h')): x = self.input_layernorm(h) comes in already normed (the
+        previous layer computed it with its last residual add), and `after` is the norm
+        that reads this layer's output (the next layer's input norm, or the loop's final
+        one), so each residual add and the norm after it are one kernel: two norm
+        launches a layer instead of four."""
+        attn = self.self_attn(x, cos, sin, backend, layer, rope)
+        h, x = self.input_layernorm_2.add_then(h, attn, self.post_attention_layernorm)
+        mlp = self.mlp(x)
+        return self.post_attention_layernorm_2.add_then(h, mlp, after)

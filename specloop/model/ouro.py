@@ -73,10 +73,12 @@ class OuroModel(nn.Module):
             rope = (positions, self.rotary.inv_freq)
         else:
             cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        h = hidden
-        for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, backend, index, rope)
-        return self.model.norm(h)
+        layers = self.model.layers
+        h, x = hidden, layers[0].input_layernorm(hidden)
+        for index, layer in enumerate(layers):
+            after = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
+            h, x = layer(h, x, after, cos, sin, backend, index, rope)
+        return x
 
     def exit_lambda(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exit-gate lambda [N] (fp32) of end-of-loop hidden states [N, H]."""
