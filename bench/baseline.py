@@ -40,8 +40,10 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def _run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict[str, list[float]]:
-    """Submit all prompts at once; per request, the wall time of each output token."""
+def _run(engine: EngineCore, prompts: list[list[int]], max_tokens: int,
+         trace: list[tuple[float, int, int]] | None = None) -> dict[str, list[float]]:
+    """Submit all prompts at once; per request, the wall time of each output token.
+    `trace` gets (time, tokens the step's plan took in, requests running) per step."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     times: dict[str, list[float]] = {}
     torch.cuda.synchronize()
@@ -49,11 +51,35 @@ def _run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict[
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
         times[f"r{i}"] = []
+    entered = engine.iteration_tokens.total
     while engine.has_unfinished():
         for out in engine.step():
             now = time.perf_counter() - start
             times[out.request_id].extend([now] * len(out.token_ids))
+        if trace is not None:
+            trace.append((time.perf_counter() - start, engine.iteration_tokens.total - entered,
+                          len(engine.scheduler.running)))
+            entered = engine.iteration_tokens.total
     return times
+
+
+def _phases(trace: list[tuple[float, int, int]], last_first_token: float) -> dict:
+    """Where a many-request case's time went: steps before the last first token (prompts
+    still entering) and after it (decode only), their mean step time and tokens a step, and
+    the most requests running at once (a pool that holds fewer runs the rest later)."""
+    out = {"steps": len(trace), "most_running": max((r for _, _, r in trace), default=0)}
+    before, prev = [], 0.0
+    after = []
+    for t, tokens, running in trace:
+        (before if t <= last_first_token else after).append((t - prev, tokens, running))
+        prev = t
+    for name, part in (("until_last_first_token", before), ("after", after)):
+        secs = sum(d for d, _, _ in part)
+        out[name] = {"steps": len(part), "seconds": secs,
+                     "ms_per_step": 1e3 * secs / max(len(part), 1),
+                     "tokens_per_step": sum(k for _, k, _ in part) / max(len(part), 1),
+                     "mean_running": sum(r for _, _, r in part) / max(len(part), 1)}
+    return out
 
 
 def main() -> None:
@@ -100,9 +126,11 @@ def main() -> None:
     floor8 = (loops * stack_bytes + head_bytes + (8192 + args.decode_tokens / 2) * kv_token_bytes) / BANDWIDTH
 
     # 128 concurrent, 1K in / 128 out
-    t128 = _run(engine, _prompts(128, 1024, vocab, 5), 128)
+    trace128: list[tuple[float, int, int]] = []
+    t128 = _run(engine, _prompts(128, 1024, vocab, 5), 128, trace128)
     out128 = sum(len(ts) for ts in t128.values()) / max(ts[-1] for ts in t128.values())
     ttft128 = sorted(ts[0] for ts in t128.values())
+    phases128 = _phases(trace128, ttft128[-1])
 
     # 8K prefill (the median of --ttft-repeats prompts)
     torch.cuda.reset_peak_memory_stats()
@@ -128,7 +156,8 @@ def main() -> None:
         "batch1_decode_after_8k": {"prompt": 8192, "tokens": len(t8d), "tpot_ms": 1e3 * tpot8,
                                    "tokens_per_s": 1 / tpot8, "floor_ms": 1e3 * floor8, "gap": tpot8 / floor8},
         "concurrent128": {"prompt": 1024, "tokens_per_request": 128, "output_tokens_per_s": out128,
-                          "ttft_p50_s": ttft128[len(ttft128) // 2], "ttft_p99_s": ttft128[int(0.99 * (len(ttft128) - 1))]},
+                          "ttft_p50_s": ttft128[len(ttft128) // 2], "ttft_p99_s": ttft128[int(0.99 * (len(ttft128) - 1))],
+                          "phases": phases128},
         "prefill_8k": {"ttft_s": t8, "ttfts_s": t8s, "floor_s": floor8k, "gap": t8 / floor8k,
                        "peak_cuda_gib": peak / 2**30, "kv_pool_and_weights_gib": kv_alloc / 2**30},
     }
@@ -141,6 +170,11 @@ def main() -> None:
     print(f"{'b1 after 8K':16s} {1e3 * tpot8:17.2f} ms/t {1e3 * floor8:17.2f} ms/t {tpot8 / floor8:6.1f}")
     print(f"{'128 x 1K/128':16s} {out128:19.0f} t/s   TTFT p50 {ttft128[len(ttft128) // 2]:.3f} s, "
           f"p99 {result['concurrent128']['ttft_p99_s']:.3f} s")
+    for name in ("until_last_first_token", "after"):
+        ph = phases128[name]
+        print(f"  128 x 1K {name}: {ph['steps']} steps, {ph['seconds']:.2f} s, {ph['ms_per_step']:.1f} ms a step, "
+              f"{ph['tokens_per_step']:.0f} tokens in a step, {ph['mean_running']:.0f} running "
+              f"(most {phases128['most_running']})")
     print(f"{'8K prefill':16s} {t8:19.3f} s   {floor8k:19.3f} s   {p8['gap']:6.1f}")
     print(f"peak CUDA memory {peak / 2**30:.1f} GiB (KV pool + weights {kv_alloc / 2**30:.1f} GiB)")
 
