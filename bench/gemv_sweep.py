@@ -1,18 +1,20 @@
-"""The few-row matmul kernel (`specloop.kernels.gemv`) against cuBLAS, then in the engine.
+"""The one-row matmul kernel (`specloop.kernels.gemv`) against cuBLAS, then in the engine.
 
     python bench/gemv_sweep.py --out bench/results/gemv_sweep_h100.json [--model /tmp/ouro14]
 
-Kernels: the `ouro-1.4b` shapes (qkv, o, gate_up, down of a layer, and the head) at
-M = 1, 2, 4, 8, 16 rows, cuBLAS (`F.linear`) and every launch in the sweep's grid; each
-timed as one CUDA graph of 24 calls on 24 copies of the weight (a layer's worth each, so
-the reads come from HBM, not L2, as in a decode step), replayed 20 times after a warm-up;
-reported per call with the weight bytes read per second. The best launch per (shape, M)
-and the defaults (`default_tiles`) are listed.
+Kernels: the `ouro-1.4b` shapes (qkv, o, gate_up, down of a layer, and the head) at one
+row, cuBLAS (`torch.matmul`) and every launch in the sweep's grid; each timed as one CUDA
+graph of 24 calls on 24 copies of the weight (a layer's worth each, so the reads come
+from HBM, not L2, as in a decode step), replayed 20 times after a warm-up; reported per
+call with the weight bytes read per second, the best launch and the default.
 
-Engine (`--model`): batch-1 and batch-4 decode after a 1K prompt (128 tokens, greedy, bf16,
-CUDA graphs) before (cuBLAS, `gemv.MAX_ROWS = 0`, and each paired norm as two launches),
-with the paired norms alone, and after (both), alternated twice in one process (an engine
-each; graphs are captured at start-up, so the switches are read then).
+(bench/results/gemv_sweep_kernels_h100.json is the earlier sweep at d4ac0f4, which also
+timed 8 and 32 rows with a tensor-core form, since removed: at best level with cuBLAS.)
+
+Engine (`--model`): decode after a 1K prompt at `--batches` (128 tokens, greedy, bf16, CUDA
+graphs) before (cuBLAS everywhere, each paired norm as its two launches), with the paired
+norms alone, and after (both), alternated twice in one process (an engine each; graphs
+are captured at start-up, so the switches are read then).
 """
 
 from __future__ import annotations
@@ -38,10 +40,7 @@ REPLAYS = 20
 
 
 def _grid() -> list[gemv.Tiles]:
-    tiles = [gemv.Tiles(n, k, w, s, False) for n, k, w, s in
-             itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))]
-    tiles += [gemv.Tiles(n, k, 4, s, True) for n, k, s in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5))]
-    return tiles
+    return [gemv.Tiles(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3))]
 
 
 def _time(fn, weights: list[torch.Tensor]) -> float:
@@ -79,8 +78,6 @@ def sweep_kernels(rows_list: list[int], save) -> dict:
             cublas = _time(lambda w: torch.matmul(x, w.T, out=y), weights)
             results = []
             for t in grid:
-                if not t.dot and rows > 1:
-                    continue
                 try:
                     got = gemv.gemv(x, weights[0], t)
                     err = (got.float() - want.float()).abs().max().item()
@@ -91,8 +88,7 @@ def sweep_kernels(rows_list: list[int], save) -> dict:
                 results.append({"tiles": t._asdict(), "us": sec * 1e6, "tb_s": nbytes / sec / 1e12, "max_err": err})
             ok = [r for r in results if "us" in r]
             best = min(ok, key=lambda r: r["us"])
-            d = gemv.default_tiles(rows, n, k)
-            default = next((r for r in ok if r["tiles"] == d._asdict()), {"us": float("nan")})
+            default = next((r for r in ok if r["tiles"] == gemv.DEFAULT_TILES._asdict()), {"us": float("nan")})
             out[f"{name}_m{rows}"] = {
                 "n": n, "k": k, "rows": rows, "cublas_us": cublas * 1e6, "cublas_tb_s": nbytes / cublas / 1e12,
                 "best": best, "default": default, "all": results}
@@ -143,25 +139,24 @@ def _norms_apart(h, x, weight, eps, weight2, eps2):
 
 def engine_ab(model: str, batches: list[int], tokens: int) -> dict:
     """before: cuBLAS and four norm launches a layer; norms: paired norms (two a layer);
-    after: paired norms and the few-row kernel (with the activation in the down product)."""
+    after: paired norms and the one-row kernel (with the activation in the down product)."""
     runs: dict = {}
-    rows, paired = gemv.MAX_ROWS, norms.add_rms_norm_pair
+    use, paired = gemv.use_gemv, norms.add_rms_norm_pair
     for _rep in range(2):
         for label in ("before", "norms", "after"):
-            gemv.MAX_ROWS = rows if label == "after" else 0
+            gemv.use_gemv = use if label == "after" else (lambda x, w: False)
             norms.add_rms_norm_pair = _norms_apart if label == "before" else paired
             for b in batches:
                 rate = _decode(model, b, tokens)
                 runs.setdefault(f"{label}_b{b}", []).append(rate)
                 print(f"engine {label:6s} batch {b}: {rate:7.1f} tok/s", flush=True)
-    gemv.MAX_ROWS, norms.add_rms_norm_pair = rows, paired
+    gemv.use_gemv, norms.add_rms_norm_pair = use, paired
     return {k: {"tok_s": v, "median": statistics.median(v)} for k, v in runs.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--no-kernels", action="store_true")
     p.add_argument("--model", help="a checkpoint for the engine A/B (bf16 ouro-1.4b)")
     p.add_argument("--batches", default="1,4")
@@ -176,7 +171,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
     if not args.no_kernels:
-        sweep_kernels([int(r) for r in args.rows.split(",")], lambda out: save("kernels", out))
+        sweep_kernels([1], lambda out: save("kernels", out))
     if args.model:
         save("engine", engine_ab(args.model, [int(b) for b in args.batches.split(",")], args.tokens))
 

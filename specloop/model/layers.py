@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from specloop.config import ModelConfig
 from specloop.kernels import DTYPES as KERNEL_DTYPES, norms
-from specloop.kernels.gemv import gemv, linear, use_gemv
+from specloop.kernels import gemv
 from specloop.kernels.rope import rope_
 
 
@@ -95,21 +95,21 @@ class AttentionBackend(Protocol):
 
 
 class Projection(nn.Linear):
-    """A bias-free nn.Linear (same parameters, same state-dict names) whose product at a
-    few rows runs the bandwidth-bound kernel of `specloop.kernels.gemv` (decode steps:
-    CUDA, bf16/fp16, no autograd); cuBLAS everywhere else."""
+    """A bias-free nn.Linear (same parameters, same state-dict names) whose product at one
+    row runs the kernel of `specloop.kernels.gemv` (batch-1 decode steps: CUDA, bf16/fp16,
+    no autograd); cuBLAS everywhere else."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return gemv.linear(x, self.weight)
 
     def of_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu_mul(gate_up)); where the few-row kernel runs, with the activation in its
+        """self(silu_mul(gate_up)); where the one-row kernel runs, with the activation in its
         operand loads (one launch and no intermediate; the same bits)."""
-        if use_gemv(gate_up, self.weight):
-            return gemv(gate_up, self.weight, silu=True)
+        if gemv.use_gemv(gate_up, self.weight):
+            return gemv.gemv(gate_up, self.weight, silu=True)
         return self(norms.silu_mul(gate_up))
 
 
