@@ -12,8 +12,9 @@ program's sum and a CUDA graph replays the same bits; results differ from cuBLAS
 the summation order only (tests: within one rounding of the output dtype).
 
 Measured on an H100 (bench/gemv_sweep.py, each matmul from HBM as in a decode step): 5-14%
-faster than cuBLAS per matmul at one row with 8 columns, 1024 K and 8 warps a program,
-and batch-1 decode +7% in the engine. At 2-32 rows a tensor-core form (rows padded to 16)
+faster than cuBLAS per matmul at one row with 8 columns, 1024 K and 8 warps a program;
+with the paired norms, batch-1 decode after 1K went 130 -> 145 tok/s in the engine
+(bench/results/gemv_sweep_engine_onerow_h100.json). At 2-32 rows a tensor-core form (rows padded to 16)
 was at best level with cuBLAS and the engine at batch 4 ran at half speed with it, so more
 rows stay on cuBLAS (`use_gemv`). With `silu=True` the operand is silu(gate) * up computed
 in the loads from [gate | up] (the MLP's down product without the SiLU-mul launch or its

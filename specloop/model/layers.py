@@ -46,15 +46,10 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.weight * F.rms_norm(x32, x32.shape[-1:], None, self.eps).to(x.dtype)
 
-    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """h + self(x): the sandwich norm's residual add, one kernel where kernels run."""
-        if use_kernels(x):
-            return norms.add_rms_norm(h, x, self.weight, self.eps)
-        return h + self.torch_forward(x)
-
     def add_then(self, h: torch.Tensor, x: torch.Tensor, after: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + self(x), after(h + self(x))): the residual add and the norm that reads it, one
-        kernel where kernels run (the same bits as `add_to` then `after`)."""
+        """(h + self(x), after(h + self(x))): the sandwich norm's residual add and the norm
+        that reads it, one kernel where kernels run (the same bits as the residual add's
+        kernel, `norms.add_rms_norm`, then `after`)."""
         if use_kernels(x):
             return norms.add_rms_norm_pair(h, x, self.weight, self.eps, after.weight, after.eps)
         h = h + self.torch_forward(x)
