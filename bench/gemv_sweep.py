@@ -12,9 +12,11 @@ call with the weight bytes read per second, the best launch and the default.
 timed 8 and 32 rows with a tensor-core form, since removed: at best level with cuBLAS.)
 
 Engine (`--model`): decode after a 1K prompt at `--batches` (128 tokens, greedy, bf16, CUDA
-graphs) before (cuBLAS everywhere, each paired norm as its two launches), with the paired
-norms alone, and after (both), alternated twice in one process (an engine each; graphs
-are captured at start-up, so the switches are read then).
+graphs) with cuBLAS, with the one-row kernel and RoPE in its own launch, with RoPE in the
+qkv product's epilogue (`gemv.gemv_rope`), and, after a kernel sweep, with each shape's
+best launch of the sweep (`gemv.SHAPE_TILES`); alternated twice in one process (an engine
+each; graphs are captured at start-up, so the switches are read then). (The paired norms'
+A/B, before / after `norms.add_rms_norm_pair`: bench/results/gemv_sweep_engine_onerow_h100.json.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from specloop.kernels import gemv, norms
+from specloop.kernels import gemv
+from specloop.kernels.rope import rope_
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "head": (49152, 2048)}
@@ -40,7 +43,7 @@ REPLAYS = 20
 
 
 def _grid() -> list[gemv.Tiles]:
-    return [gemv.Tiles(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3))]
+    return [gemv.Tiles(n, k, w, s) for n, k, w, s in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (1, 3))]
 
 
 def _time(fn, weights: list[torch.Tensor]) -> float:
@@ -131,26 +134,34 @@ def _decode(model: str, batch: int, tokens: int) -> float:
     return emitted / (last - first)
 
 
-def _norms_apart(h, x, weight, eps, weight2, eps2):
-    """The layer's paired norm as the two launches it replaced (the "before" of the A/B)."""
-    out = norms.add_rms_norm(h, x, weight, eps)
-    return out, norms.rms_norm(out, weight2, eps2)
+def _rope_apart(x, weight, positions, inv_freq, rotated, tiles=None):
+    """The qkv product then `rope_`, two launches (what `gemv.gemv_rope` replaced)."""
+    out = gemv.gemv(x, weight, tiles)
+    half = inv_freq.numel()
+    rope_(out[:, :rotated].view(1, rotated // (2 * half), 2 * half), positions, inv_freq)
+    return out
 
 
-def engine_ab(model: str, batches: list[int], tokens: int) -> dict:
-    """before: cuBLAS and four norm launches a layer; norms: paired norms (two a layer);
-    after: paired norms and the one-row kernel (with the activation in the down product)."""
+def engine_ab(model: str, batches: list[int], tokens: int, tuned: dict) -> dict:
+    """cublas: no one-row kernel (paired norms on, as everywhere); gemv: the one-row kernel
+    with RoPE in its own launch; rope: RoPE in the qkv product's epilogue; tuned (when the
+    kernel sweep ran): that, with each shape's best launch from the sweep (`tuned`)."""
     runs: dict = {}
-    use, paired = gemv.use_gemv, norms.add_rms_norm_pair
+    use, fused = gemv.use_gemv, gemv.gemv_rope
+    labels = ("cublas", "gemv", "rope") + (("tuned",) if tuned else ())
     for _rep in range(2):
-        for label in ("before", "norms", "after"):
-            gemv.use_gemv = use if label == "after" else (lambda x, w: False)
-            norms.add_rms_norm_pair = _norms_apart if label == "before" else paired
+        for label in labels:
+            gemv.use_gemv = (lambda x, w: False) if label == "cublas" else use
+            gemv.gemv_rope = _rope_apart if label == "gemv" else fused
+            gemv.SHAPE_TILES.clear()
+            if label == "tuned":
+                gemv.SHAPE_TILES.update(tuned)
             for b in batches:
                 rate = _decode(model, b, tokens)
                 runs.setdefault(f"{label}_b{b}", []).append(rate)
                 print(f"engine {label:6s} batch {b}: {rate:7.1f} tok/s", flush=True)
-    gemv.use_gemv, norms.add_rms_norm_pair = use, paired
+    gemv.use_gemv, gemv.gemv_rope = use, fused
+    gemv.SHAPE_TILES.clear()
     return {k: {"tok_s": v, "median": statistics.median(v)} for k, v in runs.items()}
 
 
@@ -170,10 +181,13 @@ def main() -> None:
         result[part] = value
         Path(args.out).write_text(json.dumps(result, indent=1))
 
+    tuned: dict = {}
     if not args.no_kernels:
-        sweep_kernels([1], lambda out: save("kernels", out))
+        kernels = sweep_kernels([1], lambda out: save("kernels", out))
+        tuned = {(v["n"], v["k"]): gemv.Tiles(**v["best"]["tiles"]) for v in kernels.values()}
+        result["tuned"] = {f"{n}x{k}": t._asdict() for (n, k), t in tuned.items()}
     if args.model:
-        save("engine", engine_ab(args.model, [int(b) for b in args.batches.split(",")], args.tokens))
+        save("engine", engine_ab(args.model, [int(b) for b in args.batches.split(",")], args.tokens, tuned))
 
 
 if __name__ == "__main__":

@@ -109,3 +109,28 @@ def test_gemv_replays_under_a_cuda_graph():
     graph.replay()
     _within_a_rounding(captured, x, w)
     assert not torch.equal(captured, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", TILES + [Tiles(block_n=2, block_k=128, num_warps=4, num_stages=1)],
+                         ids=lambda t: f"n{t.block_n}k{t.block_k}w{t.num_warps}")
+@pytest.mark.parametrize("heads, rotated_heads, head_dim, position", [
+    (6, 4, 16, 37), (5, 3, 8, 4095), (3, 3, 32, 0), (6, 0, 16, 9)])
+def test_gemv_rope_is_rope_of_the_product(dtype, tiles, heads, rotated_heads, head_dim, position):
+    """RoPE in the product's epilogue: bit for bit `rope_` on `gemv`'s output with the same
+    tiles, over the first rotated heads only (q and k; v untouched), at any position."""
+    from specloop.kernels.gemv import gemv_rope
+    from specloop.kernels.rope import rope_
+    from specloop.model.layers import Rotary
+
+    gen = torch.Generator().manual_seed(heads * 31 + head_dim + position)
+    n, k = heads * head_dim, 200
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    inv_freq = Rotary(head_dim, 10000.0).inv_freq.to(DEVICE)
+    positions = torch.tensor([position], device=DEVICE)
+    rotated = rotated_heads * head_dim
+    want = gemv(x, w, tiles)
+    rope_(want[:, :rotated].view(1, rotated_heads, head_dim), positions, inv_freq)
+    got = gemv_rope(x, w, positions, inv_freq, rotated, tiles)
+    assert torch.equal(got, want)

@@ -23,6 +23,7 @@ intermediate; `norms.silu_mul`'s expression, so the same bits).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -30,7 +31,10 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from specloop.kernels.rounding import round_to
+
 _DTYPES = (torch.bfloat16, torch.float16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class Tiles(NamedTuple):
@@ -45,6 +49,13 @@ class Tiles(NamedTuple):
 # The best launch at one row for o, gate_up, down and lm_head on the H100 sweep (qkv's best,
 # 512 K a step, was 2% faster than this one).
 DEFAULT_TILES = Tiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)
+# Launches for particular (N, K) weight shapes, where a sweep found one faster than the default.
+SHAPE_TILES: dict[tuple[int, int], Tiles] = {}
+
+
+def tiles_for(weight: torch.Tensor) -> Tiles:
+    """The launch for a weight [N, K]: its shape's entry in SHAPE_TILES, else the default."""
+    return SHAPE_TILES.get(tuple(weight.shape), DEFAULT_TILES)
 
 
 @triton.jit
@@ -60,10 +71,18 @@ def _operand(ptrs, ok, K, SILU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
-    """Columns [pid * BLOCK_N, +BLOCK_N) of the row: fp32 sums over the whole K."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, positions_ptr, inv_freq_ptr, ROTATED,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, HALF: tl.constexpr,
+                 BF16_BY_HAND: tl.constexpr):
+    """BLOCK_N columns of the row: fp32 sums over the whole K. HALF > 0 (RoPE of head dim
+    2 HALF in the epilogue): the program's columns are pairs (c, c + HALF) of one head side
+    by side, so each pair's sums are in one program; the tile and its sums are as without."""
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HALF > 0:
+        pair = i // 2
+        cols = (pair // HALF) * (2 * HALF) + pair % HALF + (i % 2) * HALF  # a permutation of 0..N-1
+    else:
+        cols = i
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
@@ -73,7 +92,31 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = _operand(x_ptr + k0 + ks, k_ok, K, SILU)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    if HALF > 0:
+        _rope_store(acc, cols, out_ptr, positions_ptr, inv_freq_ptr, N, ROTATED, BLOCK_N, HALF, BF16_BY_HAND)
+    else:
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _rope_store(acc, cols, out_ptr, positions_ptr, inv_freq_ptr, N, ROTATED, BLOCK_N: tl.constexpr,
+                HALF: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """The sums rounded to the dtype, then the pairs of columns below ROTATED rotated by
+    `rope._rope_kernel`'s expression (so the same bits as `rope_` on the stored product)."""
+    dtype = out_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_N // 2, 2]))
+    lo, hi = tl.split(tl.reshape(cols, [BLOCK_N // 2, 2]))
+    ok = lo < N
+    angle = tl.load(positions_ptr).to(tl.float32) * tl.load(inv_freq_ptr + lo % HALF, mask=ok, other=0.0)
+    cos = round_to(tl.cos(angle), dtype, BF16_BY_HAND)
+    sin = round_to(tl.sin(angle), dtype, BF16_BY_HAND)
+    rot_lo = round_to(round_to(x1 * cos, dtype, BF16_BY_HAND) + round_to(-x2 * sin, dtype, BF16_BY_HAND),
+                      dtype, BF16_BY_HAND)
+    rot_hi = round_to(round_to(x2 * cos, dtype, BF16_BY_HAND) + round_to(x1 * sin, dtype, BF16_BY_HAND),
+                      dtype, BF16_BY_HAND)
+    rotate = lo < ROTATED  # q and k; v is stored as summed
+    tl.store(out_ptr + lo, tl.where(rotate, rot_lo, x1).to(dtype), mask=ok)
+    tl.store(out_ptr + hi, tl.where(rotate, rot_hi, x2).to(dtype), mask=ok)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -81,7 +124,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles = DEFAULT_TILES,
+def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None,
          out: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T with the Triton kernel (the tests and the sweep call it
     directly; the model goes through `linear`). `silu`: x is [gate | up], [1, 2K], and the
@@ -94,10 +137,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles = DEFAULT_TILES,
     n = weight.shape[0]
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, weight, out, n, k, weight.stride(0), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SILU=silu,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    _launch(x, weight, out, tiles_for(weight) if tiles is None else tiles, silu=silu)
     return out
+
+
+def gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+              rotated: int, tiles: Tiles | None = None) -> torch.Tensor:
+    """`gemv` with RoPE in the same launch: the first `rotated` output columns (q and k of
+    a fused qkv product, whole heads of D = 2 len(inv_freq) columns) rotated at
+    positions[0] with `inv_freq` [D/2] fp32, bit for bit `rope_` on `gemv`'s product with
+    the same tiles (one launch and one pass over q and k fewer a layer)."""
+    n, k = weight.shape
+    half = inv_freq.numel()
+    assert x.dim() == 2 and x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert x.dtype == weight.dtype and x.dtype in _DTYPES, (x.dtype, weight.dtype)  # fp32 could contract an FMA
+    assert n % (2 * half) == 0 and rotated % (2 * half) == 0 and 0 <= rotated <= n, (n, half, rotated)
+    assert positions.numel() == 1 and not positions.is_floating_point() and inv_freq.dtype == torch.float32
+    tiles = tiles_for(weight) if tiles is None else tiles
+    assert tiles.block_n % 2 == 0, tiles
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, tiles, rope=(positions, inv_freq.contiguous(), rotated))
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles: Tiles, silu: bool = False,
+            rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+    n, k = weight.shape
+    positions, inv_freq, rotated = rope if rope is not None else (out, out, 0)
+    _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x, weight, out, n, k, weight.stride(0), positions, inv_freq, rotated, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, SILU=silu, HALF=0 if rope is None else inv_freq.numel(),
+        BF16_BY_HAND=_INTERPRET and x.dtype == torch.bfloat16 and rope is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -158,10 +158,13 @@ class SelfAttention(nn.Module):
         n = x.shape[0]
         if self.fused:
             # Views into one [N, (Hq + 2 Hkv) D] output: rows strided, head dim contiguous.
-            qkv = self.qkv_proj(x)
-            if rope is not None:
-                heads = self.num_heads + self.num_kv_heads
-                rope_(qkv[:, : heads * self.head_dim].view(n, heads, self.head_dim), *rope)
+            rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
+            if rope is not None and gemv.use_gemv(x, self.qkv_proj.weight):
+                qkv = gemv.gemv_rope(x, self.qkv_proj.weight, *rope, rotated)  # the rotation in the product's launch
+            else:
+                qkv = self.qkv_proj(x)
+                if rope is not None:
+                    rope_(qkv[:, :rotated].view(n, -1, self.head_dim), *rope)
             q, k, v = qkv.split(self._qkv_sizes, dim=-1)
         else:
             assert rope is None, "RoPE in place needs the fused qkv output"
