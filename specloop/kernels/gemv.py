@@ -49,13 +49,6 @@ class Tiles(NamedTuple):
 # The best launch at one row for o, gate_up, down and lm_head on the H100 sweep (qkv's best,
 # 512 K a step, was 2% faster than this one).
 DEFAULT_TILES = Tiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)
-# Launches for particular (N, K) weight shapes, where a sweep found one faster than the default.
-SHAPE_TILES: dict[tuple[int, int], Tiles] = {}
-
-
-def tiles_for(weight: torch.Tensor) -> Tiles:
-    """The launch for a weight [N, K]: its shape's entry in SHAPE_TILES, else the default."""
-    return SHAPE_TILES.get(tuple(weight.shape), DEFAULT_TILES)
 
 
 @triton.jit
@@ -124,7 +117,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None,
+def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles = DEFAULT_TILES,
          out: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T with the Triton kernel (the tests and the sweep call it
     directly; the model goes through `linear`). `silu`: x is [gate | up], [1, 2K], and the
@@ -137,12 +130,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None,
     n = weight.shape[0]
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, tiles_for(weight) if tiles is None else tiles, silu=silu)
+    _launch(x, weight, out, tiles, silu=silu)
     return out
 
 
 def gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-              rotated: int, tiles: Tiles | None = None) -> torch.Tensor:
+              rotated: int, tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
     """`gemv` with RoPE in the same launch: the first `rotated` output columns (q and k of
     a fused qkv product, whole heads of D = 2 len(inv_freq) columns) rotated at
     positions[0] with `inv_freq` [D/2] fp32, bit for bit `rope_` on `gemv`'s product with
@@ -153,7 +146,6 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, in
     assert x.dtype == weight.dtype and x.dtype in _DTYPES, (x.dtype, weight.dtype)  # fp32 could contract an FMA
     assert n % (2 * half) == 0 and rotated % (2 * half) == 0 and 0 <= rotated <= n, (n, half, rotated)
     assert positions.numel() == 1 and not positions.is_floating_point() and inv_freq.dtype == torch.float32
-    tiles = tiles_for(weight) if tiles is None else tiles
     assert tiles.block_n % 2 == 0, tiles
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _launch(x, weight, out, tiles, rope=(positions, inv_freq.contiguous(), rotated))
@@ -168,7 +160,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles: Til
         x, weight, out, n, k, weight.stride(0), positions, inv_freq, rotated, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, SILU=silu, HALF=0 if rope is None else inv_freq.numel(),
         BF16_BY_HAND=_INTERPRET and x.dtype == torch.bfloat16 and rope is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        # RoPE as `rope_` launches it: its cos / sin (libdevice) differ in the last bit with
+        # FMA contraction on. The sums do not change: bf16 / fp16 products are exact in fp32.
+        enable_fp_fusion=rope is None)
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
