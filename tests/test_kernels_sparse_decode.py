@@ -577,6 +577,81 @@ def test_the_split_select_breaks_ties_across_splits():
             _close(getattr(state, name)[slot], getattr(want, name)[slot], STATE_TOL[torch.float32])
 
 
+TIE = 1.0
+NEAR_TIE = [TIE + 2.0 ** -20, TIE + 2.0 ** -12, TIE + 2.0 ** -5, TIE + 3.0]  # P differs from T's in digit 3, 2, 1, 0
+
+
+def _tied_scores(seed: int, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [N, Hq, MAX_CONTEXT] for the split select, and their lse: random, but about 40%
+    of each row's keys exactly TIE (the threshold's ties run through every split) and, in its
+    first 64 keys, keys just above TIE whose P first differs from the tie's in each digit."""
+    gen = torch.Generator().manual_seed(seed)
+    n, heads = case.q2.shape[:2]
+    scores = torch.randn(n, heads, MAX_CONTEXT, generator=gen) * 2
+    scores = torch.where(torch.rand(scores.shape, generator=gen) < 0.4, TIE, scores)
+    near = torch.randint(0, 64, (n, heads, 3 * len(NEAR_TIE)), generator=gen)
+    scores.scatter_(2, near, torch.tensor(NEAR_TIE * 3).expand(n, heads, -1).contiguous())
+    lse = torch.zeros(n, heads)
+    for i, pos in enumerate(case.positions.tolist()):
+        if pos >= 0:
+            lse[i] = torch.logsumexp(scores[i, :, : pos + 1], -1)
+    return scores.to(DEVICE), lse.to(DEVICE)
+
+
+def _state_from_scores(state: SlotState, case: Case, scores: torch.Tensor, lse: torch.Tensor,
+                       retention: float) -> None:
+    """The rows' slots hold the first b keys of a stable descending sort of each head's scores
+    (in position order), their m and C_ref within STATE_TOL (fp64 from the same scores), and
+    O_ref = dense; every other slot holds `_fill`'s sentinel."""
+    heads, dim = case.q2.shape[1:]
+    for i, pos in enumerate(case.positions.tolist()):
+        if pos < 0:
+            continue
+        slot, b = int(case.slots[i]), key_budget(pos + 1, retention)
+        keys = scores[i, :, : pos + 1].sort(dim=-1, descending=True, stable=True).indices[:, :b].sort(-1).values
+        assert int(state.count[slot]) == b and torch.equal(_kept(state, slot).long(), keys), f"row {i}"
+        p = (scores[i, :, : pos + 1].double() - lse[i, :, None].double()).exp().gather(1, keys)  # [Hq, b]
+        v = _per_head(_rows_kv(case.v, case, int(case.off2[i]), pos), heads).double().transpose(0, 1)
+        v = v.gather(1, keys[..., None].expand(-1, -1, dim))  # [Hq, b, D]
+        _close(state.mass[slot], p.sum(-1), STATE_TOL[torch.float32])
+        _close(state.c_ref[slot], (p[..., None] * v).sum(1), STATE_TOL[torch.float32])
+        assert torch.equal(state.o_ref[slot], case.dense[i].float())
+    written = {int(case.slots[i]) for i, pos in enumerate(case.positions.tolist()) if pos >= 0}
+    for slot in set(range(case.num_slots)) - written:
+        for name in SLOT_FIELDS:
+            assert (getattr(state, name)[slot] == -7).all(), f"slot {slot} {name}"
+
+
+@pytest.mark.parametrize("splits, radix_bits, retention", [(3, 8, 0.4), (7, 11, 0.4), (5, 8, 0.1)])
+def test_split_offsets_from_digit_histograms_with_ties_across_splits(splits, radix_bits, retention):
+    """Each split's offset (the keys above T and equal to it in the earlier splits) comes from
+    the earlier splits' digit histograms: with ties at T through every split, and keys above
+    T in early splits whose P first differs from T's at each digit, the split select keeps
+    the first b keys of a stable descending sort (ties to the lower position)."""
+    case = _case(47, PADDED)
+    scores, lse = _tied_scores(48, case)
+    state = _fill(case.state(key_budget(MAX_CONTEXT, retention)))
+    decode_select(case.v, case.tables, case.positions, case.off2, case.page_size, retention, dense=case.dense,
+                  lse=lse, scores=scores, slots=case.slots, state=state, max_context=MAX_CONTEXT,
+                  blocks=Blocks(split_select=32, gather=16, select_splits=splits, radix_bits=radix_bits))
+    _state_from_scores(state, case, scores, lse, retention)
+
+
+def test_split_select_twice_finishes_each_call_from_its_own_partials():
+    """Two calls in a row on other scores, with the same state and shapes (the second call's
+    buffers may reuse the first's memory): each (row, head) is finished by its last gather
+    program, from this call's partials (a finish before every partial was stored would miss
+    sums, or take the last call's)."""
+    case = _case(49, PADDED)
+    state = _fill(case.state(key_budget(MAX_CONTEXT, 0.4)))
+    for seed in (50, 51):
+        scores, lse = _tied_scores(seed, case)
+        decode_select(case.v, case.tables, case.positions, case.off2, case.page_size, 0.4, dense=case.dense,
+                      lse=lse, scores=scores, slots=case.slots, state=state, max_context=MAX_CONTEXT,
+                      blocks=Blocks(split_select=32, gather=16, select_splits=4))
+        _state_from_scores(state, case, scores, lse, 0.4)
+
+
 @pytest.mark.parametrize("dtype, blocks", [(torch.float32, Blocks()),
                                            (torch.bfloat16, dataclasses.replace(SMALL, select=32))])
 def test_ties_go_to_the_lower_position(dtype, blocks):
