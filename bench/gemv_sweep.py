@@ -134,7 +134,7 @@ def _decode(model: str, batch: int, tokens: int) -> float:
     return emitted / (last - first)
 
 
-def _rope_apart(x, weight, positions, inv_freq, rotated, tiles=None):
+def _rope_apart(x, weight, positions, inv_freq, rotated, tiles=gemv.DEFAULT_TILES):
     """The qkv product then `rope_`, two launches (what `gemv.gemv_rope` replaced)."""
     out = gemv.gemv(x, weight, tiles)
     half = inv_freq.numel()

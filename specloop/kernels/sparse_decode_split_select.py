@@ -23,7 +23,11 @@ into partials; then each program of a live row takes a ticket (an int32 per (row
 zeroed by the histograms' memset): the barrier and the atomic's acq_rel put every
 program's partial before the last ticket, whose program adds the partials (loads past L1)
 as the finish launch did, writes the slot and hands the tickets back. Same kept set as
-the one-program select; sums in another order. `select_splits` picks the split count for
+the one-program select; sums in another order. On an H100 the kept keys, counts, m and
+O_ref are bit for bit the eight-launch code's, and C_ref within 1.5e-8 of it (6 of 57
+random cases; the partials are added in another order), and the select took 36.5-38.3 ->
+34.0-35.3 us at 1 x 8K (39.8-40.4 -> 36.5-37.0 cold) and 58.0-58.2 -> 52.3-52.5 us at
+1 x 32K (bench/results/split_select_six_h100.json). `select_splits` picks the split count for
 two waves of the GPU from static values (1, the one-program select, once the rows alone
 fill two waves): on the H200 with 512-key blocks the split select (eight launches then)
 ran 1.9x faster at 1 x 8K (8 splits) and 4.6x at 1 x 32K (17), and batch 32 keeps one
