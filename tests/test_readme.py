@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -45,9 +46,12 @@ def run_block(tmp_path: Path, gpu: bool) -> list[str]:
         (tools / tool).symlink_to(shutil.which(tool))
     log = tmp_path / "calls.log"
     env = {"PATH": f"{stubs}:{tools}", "LOG": str(log), "HOME": str(tmp_path)}
-    # set -m: job control, as in the interactive shell the block is pasted into (SIGINT reaches `&` jobs)
+    # set -m: job control, as in the interactive shell the block is pasted into (SIGINT reaches `&` jobs).
+    # SIGINT back to its default first: a shell cannot trap a signal it was started ignoring, which
+    # it is when pytest itself runs as a background job of a non-interactive shell (nohup ... &).
     done = subprocess.run([shutil.which("bash"), "-c", "set -m\n" + readme_block("Run it")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert done.returncode == 0, done.stderr
     return log.read_text().splitlines()
 
