@@ -18,7 +18,9 @@ with the paired norms, batch-1 decode after 1K went 130 -> 145 tok/s in the engi
 was at best level with cuBLAS and the engine at batch 4 ran at half speed with it, so more
 rows stay on cuBLAS (`use_gemv`). With `silu=True` the operand is silu(gate) * up computed
 in the loads from [gate | up] (the MLP's down product without the SiLU-mul launch or its
-intermediate; `norms.silu_mul`'s expression, so the same bits).
+intermediate; `norms.silu_mul`'s expression, so the same bits). `gemv_rope` is the qkv
+product with RoPE in its epilogue (`rope_` on the product, bit for bit): 146 -> 150 tok/s
+in the same engine A/B (bench/results/gemv_sweep_rope_h100.json).
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, in
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles: Tiles, silu: bool = False,
             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+    """One launch of `_gemv_kernel` into `out` (`rope`: positions, inv_freq, rotated columns)."""
     n, k = weight.shape
     positions, inv_freq, rotated = rope if rope is not None else (out, out, 0)
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
