@@ -157,7 +157,10 @@ def main() -> None:
                                    "tokens_per_s": 1 / tpot8, "floor_ms": 1e3 * floor8, "gap": tpot8 / floor8},
         "concurrent128": {"prompt": 1024, "tokens_per_request": 128, "output_tokens_per_s": out128,
                           "ttft_p50_s": ttft128[len(ttft128) // 2], "ttft_p99_s": ttft128[int(0.99 * (len(ttft128) - 1))],
-                          "phases": phases128},
+                          "phases": phases128,
+                          # how many of these requests the KV pool holds at once, whole (every plane's
+                          # pages of 1,152 tokens): fewer than 128 and the rest wait or preempt
+                          "pool_holds_requests": engine.kv.num_pages // engine.kv.pages_at_once(1024 + 128)},
         "prefill_8k": {"ttft_s": t8, "ttfts_s": t8s, "floor_s": floor8k, "gap": t8 / floor8k,
                        "peak_cuda_gib": peak / 2**30, "kv_pool_and_weights_gib": kv_alloc / 2**30},
     }
@@ -169,7 +172,8 @@ def main() -> None:
     print(f"{'batch-32 decode':16s} {agg32:19.0f} t/s {b32['floor_tokens_per_s']:19.0f} t/s {b32['gap']:6.1f}")
     print(f"{'b1 after 8K':16s} {1e3 * tpot8:17.2f} ms/t {1e3 * floor8:17.2f} ms/t {tpot8 / floor8:6.1f}")
     print(f"{'128 x 1K/128':16s} {out128:19.0f} t/s   TTFT p50 {ttft128[len(ttft128) // 2]:.3f} s, "
-          f"p99 {result['concurrent128']['ttft_p99_s']:.3f} s")
+          f"p99 {result['concurrent128']['ttft_p99_s']:.3f} s; the pool holds "
+          f"{result['concurrent128']['pool_holds_requests']} of them at once")
     for name in ("until_last_first_token", "after"):
         ph = phases128[name]
         print(f"  128 x 1K {name}: {ph['steps']} steps, {ph['seconds']:.2f} s, {ph['ms_per_step']:.1f} ms a step, "
