@@ -13,7 +13,8 @@ timed 8 and 32 rows with a tensor-core form, since removed: at best level with c
 
 Engine (`--model`): decode after a 1K prompt at `--batches` (128 tokens, greedy, bf16, CUDA
 graphs) with cuBLAS, with the one-row kernel and RoPE in its own launch, with RoPE in the
-qkv product's epilogue (`gemv.gemv_rope`), and, after a kernel sweep, with each shape's
+qkv product's epilogue (`gemv.gemv_rope`), the same as programmatic dependent launches
+(`gemv.PDL`), and, after a kernel sweep, with each shape's
 best launch of the sweep in place of the default; alternated twice in one process (an engine
 each; graphs are captured at start-up, so the switches are read then). (The paired norms'
 A/B, before / after `norms.add_rms_norm_pair`: bench/results/gemv_sweep_engine_onerow_h100.json.)
@@ -145,23 +146,25 @@ def _rope_apart(x, weight, positions, inv_freq, rotated, tiles=gemv.DEFAULT_TILE
 def engine_ab(model: str, batches: list[int], tokens: int, tuned: dict) -> dict:
     """cublas: no one-row kernel (paired norms on, as everywhere); gemv: the one-row kernel
     with RoPE in its own launch; rope: RoPE in the qkv product's epilogue; tuned (when the
-    kernel sweep ran): that, with each shape's best launch from the sweep (`tuned`)."""
+    kernel sweep ran): that, with each shape's best launch from the sweep (`tuned`); pdl: rope
+    with every one-row product a programmatic dependent launch (`gemv.PDL`)."""
     runs: dict = {}
     use, fused, launch = gemv.use_gemv, gemv.gemv_rope, gemv._launch
 
     def tuned_launch(x, weight, out, tiles, silu=False, rope=None):
         return launch(x, weight, out, tuned.get(tuple(weight.shape), tiles), silu, rope)
-    labels = ("cublas", "gemv", "rope") + (("tuned",) if tuned else ())
+    labels = ("cublas", "gemv", "rope", "pdl") + (("tuned",) if tuned else ())
     for _rep in range(2):
         for label in labels:
             gemv.use_gemv = (lambda x, w: False) if label == "cublas" else use
             gemv.gemv_rope = _rope_apart if label == "gemv" else fused
             gemv._launch = tuned_launch if label == "tuned" else launch
+            gemv.PDL = label == "pdl"
             for b in batches:
                 rate = _decode(model, b, tokens)
                 runs.setdefault(f"{label}_b{b}", []).append(rate)
                 print(f"engine {label:6s} batch {b}: {rate:7.1f} tok/s", flush=True)
-    gemv.use_gemv, gemv.gemv_rope, gemv._launch = use, fused, launch
+    gemv.use_gemv, gemv.gemv_rope, gemv._launch, gemv.PDL = use, fused, launch, False
     return {k: {"tok_s": v, "median": statistics.median(v)} for k, v in runs.items()}
 
 

@@ -134,3 +134,43 @@ def test_gemv_rope_is_rope_of_the_product(dtype, tiles, heads, rotated_heads, he
     rope_(want[:, :rotated].view(1, rotated_heads, head_dim), positions, inv_freq)
     got = gemv_rope(x, w, positions, inv_freq, rotated, tiles)
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(INTERPRETED or torch.cuda.get_device_capability()[0] < 9, reason="PDL: CUDA, Hopper and later")
+def test_programmatic_dependent_launch_changes_no_bits(monkeypatch):
+    """With `gemv.PDL` each product may start while the one before it finishes: a chain of
+    products, each reading the last one's output (and the SiLU and RoPE forms), gives the
+    same bits as without, eager and replayed from a CUDA graph after new inputs."""
+    from specloop.kernels import gemv as module
+    from specloop.kernels.gemv import gemv_rope
+    from specloop.model.layers import Rotary
+
+    gen = torch.Generator().manual_seed(5)
+    ws = [(torch.randn(1024, 1024, generator=gen) / 32).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    down = (torch.randn(1024, 512, generator=gen) / 32).to(DEVICE, torch.bfloat16)
+    inv_freq = Rotary(64, 10000.0).inv_freq.to(DEVICE)
+    positions = torch.tensor([321], device=DEVICE)
+    x = torch.randn(1, 1024, generator=gen).to(DEVICE, torch.bfloat16)
+
+    def chain():
+        y = gemv_rope(x, ws[0], positions, inv_freq, 512)
+        for w in ws[1:]:
+            y = gemv(y, w)
+        return gemv(y, down, silu=True)
+
+    def run(pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(module, "PDL", pdl)
+        eager = chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain()
+        x.copy_(x.flip(1))
+        graph.replay()
+        replayed = captured.clone()
+        x.copy_(x.flip(1))
+        return eager, replayed
+
+    base, base_replayed = run(False)
+    got, got_replayed = run(True)
+    assert torch.equal(got, base) and torch.equal(got_replayed, base_replayed)
+    assert not torch.equal(base, base_replayed)  # the replay read the new input

@@ -48,6 +48,11 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
+# Programmatic dependent launch (Hopper and later, CUDA only): each one-row product may be
+# launched while the kernel before it finishes and read its first weight tile meanwhile
+# (`_gemv_kernel`'s GDC). Off: not yet measured on a GPU (bench/gemv_sweep.py's "pdl" variant).
+PDL = False
+
 # The best launch at one row for o, gate_up, down and lm_head on the H100 sweep (qkv's best,
 # 512 K a step, was 2% faster than this one).
 DEFAULT_TILES = Tiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)
@@ -68,10 +73,13 @@ def _operand(ptrs, ok, K, SILU: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, positions_ptr, inv_freq_ptr, ROTATED,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, HALF: tl.constexpr,
-                 BF16_BY_HAND: tl.constexpr):
+                 BF16_BY_HAND: tl.constexpr, GDC: tl.constexpr):
     """BLOCK_N columns of the row: fp32 sums over the whole K. HALF > 0 (RoPE of head dim
     2 HALF in the epilogue): the program's columns are pairs (c, c + HALF) of one head side
-    by side, so each pair's sums are in one program; the tile and its sums are as without."""
+    by side, so each pair's sums are in one program; the tile and its sums are as without.
+    GDC (a programmatic dependent launch, `PDL`): the first weight tile is read before
+    waiting for the previous kernel (nothing of it comes from there), the row and every
+    store after; the next launch may start once the sums are done. The same sums."""
     i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if HALF > 0:
         pair = i // 2
@@ -82,11 +90,21 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, positions_ptr, inv_freq
     ks = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if GDC:
+        k_ok = ks < K
+        w = tl.load(w_tile, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (the row) are visible from here
+        x = _operand(x_ptr + ks, k_ok, K, SILU)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         k_ok = (k0 + ks) < K
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = _operand(x_ptr + k0 + ks, k_ok, K, SILU)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if HALF > 0:
         _rope_store(acc, cols, out_ptr, positions_ptr, inv_freq_ptr, N, ROTATED, BLOCK_N, HALF, BF16_BY_HAND)
     else:
@@ -159,11 +177,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles: Til
     """One launch of `_gemv_kernel` into `out` (`rope`: positions, inv_freq, rotated columns)."""
     n, k = weight.shape
     positions, inv_freq, rotated = rope if rope is not None else (out, out, 0)
+    pdl = PDL and x.is_cuda and not _INTERPRET and torch.cuda.get_device_capability(x.device)[0] >= 9
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, out, n, k, weight.stride(0), positions, inv_freq, rotated, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, SILU=silu, HALF=0 if rope is None else inv_freq.numel(),
-        BF16_BY_HAND=_INTERPRET and x.dtype == torch.bfloat16 and rope is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BF16_BY_HAND=_INTERPRET and x.dtype == torch.bfloat16 and rope is not None, GDC=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if pdl else {}),
         # RoPE as `rope_` launches it: its cos / sin (libdevice) differ in the last bit with
         # FMA contraction on. The sums do not change: bf16 / fp16 products are exact in fp32.
         enable_fp_fusion=rope is None)
