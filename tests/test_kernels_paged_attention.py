@@ -119,24 +119,3 @@ def test_choose_splits_fills_the_gpu_without_tiny_splits():
     assert choose_splits(1, 16, 1024, 132) == 4  # no split under 256 keys
     assert choose_splits(32, 16, 1024, 132) == 1
     assert choose_splits(1, 1, 100_000, 132) == 32
-
-
-@pytest.mark.parametrize("splits", [2, 5])
-def test_split_combine_hands_its_tickets_back(splits):
-    """A split launch combines in the last split of each (tile, KV head), counted in the
-    caller's tickets: two launches in a row on other inputs with one buffer (as a layer
-    after layer, or a graph replay) are each right, the buffer is zero after each, padding
-    tiles take none, and a buffer too small for the launch is replaced, not overrun."""
-    tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    for seed in (11, 12):
-        args = _case(seed, [1, 3, 1, 9], 4, 2, 16, 4, torch.float32, tile_rows=8, pad_tiles=2)
-        _check(args, 4, torch.float32, tile_rows=8, num_splits=splits, block_n=16, tickets=tickets)
-        assert not tickets.any()
-        out, lse = paged_attention(*args, 4, return_lse=True, tile_rows=8, num_splits=splits, block_n=16)
-        again, again_lse = paged_attention(*args, 4, return_lse=True, tile_rows=8, num_splits=splits, block_n=16,
-                                           tickets=tickets)
-        assert torch.equal(out, again) and torch.equal(lse, again_lse)  # the same kernel, whoever owns the counters
-    small = torch.zeros(3, dtype=torch.int32, device=DEVICE)  # fewer than tiles x KV heads
-    args = _case(13, [1, 3, 1, 9], 4, 2, 16, 4, torch.float32, tile_rows=8)
-    _check(args, 4, torch.float32, tile_rows=8, num_splits=splits, block_n=16, tickets=small)
-    assert not small.any()

@@ -27,10 +27,8 @@ Inside a program the M dimension of the score tile is (row of the tile, query he
 KV head), so GQA heads and a verification's rows share every key tile that is loaded.
 Split-KV (flash decoding): `num_splits` programs per (tile, KV head) each take an equal
 share of the tile's keys [0, max position + 1) and write a partial output and its
-log-sum-exp; the last of them to finish (a ticket per (tile, KV head), `tickets`) combines
-them in the same launch, split after split (a separate combine launch until 2026-12-07:
-one launch fewer a layer-pass wherever the launch splits). That is what fills the GPU at
-batch 1 and at long contexts. Softmax statistics are fp32; QK and PV run on tensor cores in the input
+log-sum-exp; a second kernel combines them. That is what fills the GPU at batch 1 and at
+long contexts. Softmax statistics are fp32; QK and PV run on tensor cores in the input
 dtype with fp32 accumulation, the probabilities rounded to that dtype for PV as flash
 attention does (fp32 inputs use IEEE fp32 products). An IEEE fp32 PV product for bf16
 decodes measured 2.6x slower attention at batch 32 on the H200 for no gain in the
@@ -89,13 +87,12 @@ def online_softmax(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, tiles_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-    scores_ptr, score_rows_ptr, tickets_ptr,
+    scores_ptr, score_rows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_on, stride_oh, stride_ln,
     stride_sr, stride_sh, score_keys, num_heads, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, WRITE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -172,45 +169,34 @@ def _attention_kernel(
             at = (row * num_heads + head) * SPLITS + split
             tl.store(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], o, mask=ok[:, None])
             tl.store(part_lse_ptr + at, lse, mask=ok)
-            # Every split of the (tile, KV head) takes a ticket once its warps' partials
-            # are stored (the barrier, then acq_rel); the one that draws the last sees
-            # them all, combines and hands the SPLITS tickets back (0 again for the next
-            # launch and graph replays; subtracted, not reset, so a miscounted ticket
-            # shows in the tests instead of finishing twice with the right values).
-            tl.debug_barrier()
-            tickets = tickets_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(tickets, 1, sem="acq_rel") == SPLITS - 1:
-                _combine_rows(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, row, head, ok, stride_on, stride_oh,
-                              stride_ln, num_heads, HEAD_DIM, SPLITS, BLOCK_M, BLOCK_S, BLOCK_D, WRITE_LSE)
-                tl.atomic_add(tickets, -SPLITS)
 
 
 @triton.jit
-def _combine_rows(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, row, head, ok, stride_on, stride_oh, stride_ln,
-                  num_heads, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """The combine of one (tile, KV head)'s rows (row, head [BLOCK_M], ok), inside the
-    attention launch: each split's output weighted by exp(lse_s - lse), added split after
-    split (partials loaded past L1: other programs stored them)."""
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, tiles_ptr, out_ptr, lse_ptr, stride_on, stride_oh, stride_ln, num_heads,
+    HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Per (tile, query head): weight each split's output by exp(lse_s - lse) and sum."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(tiles_ptr + tile * 3)
+    rows = tl.load(tiles_ptr + tile * 3 + 1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    base = (row * num_heads + head) * SPLITS
-    lse_s = tl.load(part_lse_ptr + base[:, None] + s[None, :], mask=ok[:, None] & (s < SPLITS)[None, :],
-                    other=float("-inf"), cache_modifier=".cg")
-    top = tl.where(ok, tl.max(lse_s, axis=1), 0.0)  # rows past the tile: no NaN from -inf - -inf
-    w = tl.exp(lse_s - top[:, None])
-    total = tl.zeros([BLOCK_M], tl.float32)
-    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for k in tl.static_range(SPLITS):  # in split order, whatever the tile's layout
-        w_k = tl.sum(tl.where(s[None, :] == k, w, 0.0), axis=1)  # column k (the others add zeros)
-        total += w_k
-        o += w_k[:, None] * tl.load(part_o_ptr + (base + k)[:, None] * BLOCK_D + d[None, :], mask=ok[:, None],
-                                    other=0.0, cache_modifier=".cg")
-    o = o / tl.where(ok, total, 1.0)[:, None]
-    tl.store(out_ptr + row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (d < HEAD_DIM)[None, :])
-    if WRITE_LSE:
-        tl.store(lse_ptr + row * stride_ln + head, top + tl.log(total), mask=ok)
+    s_ok = s < SPLITS
+    for r in range(0, rows):
+        row = (first + r).to(tl.int64)
+        at = (row * num_heads + head) * SPLITS + s
+        lse_s = tl.load(part_lse_ptr + at, mask=s_ok, other=float("-inf"))
+        top = tl.max(lse_s, axis=0)
+        w = tl.exp(lse_s - top)
+        total = tl.sum(w, axis=0)
+        o = tl.load(part_o_ptr + at[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(w[:, None] * o, axis=0) / total
+        tl.store(out_ptr + row * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        if WRITE_LSE:
+            tl.store(lse_ptr + row * stride_ln + head, top + tl.log(total))
 
 
 def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
@@ -251,17 +237,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     num_splits: int = 1, block_n: int | None = None, return_lse: bool = False,
                     out: torch.Tensor | None = None, scores: torch.Tensor | None = None,
                     score_rows: torch.Tensor | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, tickets: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch (tiles, KV heads, splits) programs, plus the combine when split. `tiles` must
     have been cut with at most `tile_rows` rows each; tile_rows x block_g >= 16 (tl.dot).
     With `scores` (fp32 [R, Hq, >= every scored row's position + 1]) and `score_rows` ([N]
     int, -1 for none), row i's scaled scores q . k / sqrt(D) of keys 0..pos also go to
     scores[score_rows[i]] (sparse decode's loop-2 source reads them: no second pass over K).
-    `block_n`, `num_warps`, `num_stages`: the launch's (None: `BLOCK_N`, Triton's defaults).
-    A split launch combines in its last split per (tile, KV head) (`_combine_rows`), counted
-    in `tickets` (int32, zero, at least tiles x KV heads, left zero: a caller's persistent
-    buffer saves the memset of one allocated per launch)."""
+    `block_n`, `num_warps`, `num_stages`: the launch's (None: `BLOCK_N`, Triton's defaults)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, "K and V caches must be [S, Hkv, D]"
@@ -284,23 +266,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dot_fp32 = _INTERPRET or q.dtype == torch.float32
     store_scores = check_scores(scores, score_rows, n, num_heads)
     block_n = block_n or BLOCK_N
-    if num_splits > 1 and (tickets is None or tickets.numel() < num_tiles * num_kv_heads):
-        tickets = torch.zeros(num_tiles * num_kv_heads, dtype=torch.int32, device=q.device)
-    elif tickets is not None:
-        assert tickets.dtype == torch.int32 and tickets.is_contiguous() and tickets.device == q.device
     _attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, tables, positions, tiles, out, lse_arg, part_o, part_lse,
         scores if store_scores else out, score_rows if store_scores else positions,
-        tickets if num_splits > 1 else positions,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         scores.stride(0) if store_scores else 0, scores.stride(1) if store_scores else 0,
         scores.shape[2] if store_scores else 0, num_heads, head_dim ** -0.5,
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
         BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=num_splits, DOT_FP32=dot_fp32,
-        WRITE_LSE=return_lse, STORE_SCORES=store_scores, BLOCK_S=triton.next_power_of_2(num_splits),
-        **launch_options(num_warps, num_stages),
+        WRITE_LSE=return_lse, STORE_SCORES=store_scores, **launch_options(num_warps, num_stages),
     )
+    if num_splits > 1:
+        _combine_kernel[(num_tiles, num_heads)](
+            part_o, part_lse, tiles, out, lse_arg, out.stride(0), out.stride(1),
+            lse.stride(0) if lse is not None else 0, num_heads,
+            HEAD_DIM=head_dim, TILE_ROWS=tile_rows, SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, WRITE_LSE=return_lse,
+        )
     return out, lse
 
 

@@ -181,11 +181,10 @@ class TritonMeta:
     contiguous: list[tuple[slice, torch.Tensor | None]] = dataclasses.field(default_factory=list)  # per
     # prompt chunk the tiles leave out (`LoopPass.contiguous`): its rows, the KV slots of its keys
     # 0..context-1 (None: the chunk is its whole context and reads the pass's own k, v)
-    tickets: torch.Tensor | None = None  # the split launch's combine counters (`paged_attention`)
 
 
 class TritonAttention:
-    """Paged attention in one Triton launch per layer (split-KV combined inside it).
+    """Paged attention in one Triton launch per layer (plus a combine when split).
 
     Tile sizes keep the kernel's M dimension (tile rows x padded GQA group) at 16 for
     decodes and verifications, where the kernel is bandwidth-bound, and at 64 for prompt
@@ -198,7 +197,6 @@ class TritonAttention:
     name = "triton"
     SMALL_M, LARGE_M = 16, 64
     CONTIGUOUS_MIN_ROWS = 64  # a large tile's rows: smaller chunks stay in the paged launch
-    TICKET_TILES = 512  # a graph bucket's rows at most, so its tiles
 
     def __init__(self, kv: PagedKV, num_heads: int, num_kv_heads: int, device: torch.device,
                  rows: RowAttention | None = None) -> None:
@@ -210,9 +208,6 @@ class TritonAttention:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         flash = kv.contiguous_reads and flash_prefill.supported(device, kv.k.dtype, kv.k.shape[-1])
         self.contiguous_min_rows = self.CONTIGUOUS_MIN_ROWS if flash else None
-        # The split launch's combine counters, zero between launches: enough for the largest
-        # graph bucket's tiles (a launch with more tiles allocates its own).
-        self.tickets = torch.zeros(self.TICKET_TILES * num_kv_heads, dtype=torch.int32, device=device)
 
     def build(self, lp: LoopPass, keep: torch.Tensor | None) -> TritonMeta:
         assert lp.tiles is not None, "the forward batch was built without query tiles"
@@ -228,7 +223,7 @@ class TritonAttention:
                        kv_slots(lp.tables, s.table, torch.arange(s.context, device=lp.tables.device), lp.page_size))
                       for s in lp.contiguous]
         return TritonMeta(lp.write_slots, keep, lp.tables, lp.positions, lp.tiles, lp.tile_rows, splits,
-                          lp.table_offsets, self.kv.pass_state(lp), rows, contiguous, self.tickets)
+                          lp.table_offsets, self.kv.pass_state(lp), rows, contiguous)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta) -> torch.Tensor:
         """Store the rows' K/V, then the paged launch over the tiles (skipped when a pass's

@@ -111,7 +111,7 @@ class PagedKV:
         """The Triton launch over the pass's query tiles (`TritonMeta`): the paged kernel."""
         return paged_attention(q, self.k[layer], self.v[layer], meta.tables, meta.positions, meta.tiles,
                                self.page_size, tile_rows=meta.tile_rows, num_splits=meta.num_splits, out=out,
-                               return_lse=return_lse, scores=scores, score_rows=score_rows, tickets=meta.tickets)
+                               return_lse=return_lse, scores=scores, score_rows=score_rows)
 
     def key_reader(self, layer: int, tables: torch.Tensor, table_offsets: torch.Tensor, every: bool,
                    state: Any) -> KeyReader:
