@@ -13,8 +13,10 @@ timed 8 and 32 rows with a tensor-core form, since removed: at best level with c
 
 Engine (`--model`): decode after a 1K prompt at `--batches` (128 tokens, greedy, bf16, CUDA
 graphs) with cuBLAS, with the one-row kernel and RoPE in its own launch, with RoPE in the
-qkv product's epilogue (`gemv.gemv_rope`), the same as programmatic dependent launches
-(`gemv.PDL`), and, after a kernel sweep, with each shape's
+qkv product's epilogue (`gemv.gemv_rope`), the same with the products as programmatic
+dependent launches (`pdl`: `specloop.kernels.pdl` on, the kernels before them not
+releasing early; `pdl-early`: also the norms and attention releasing them as they start),
+and, after a kernel sweep, with each shape's
 best launch of the sweep in place of the default; alternated twice in one process (an engine
 each; graphs are captured at start-up, so the switches are read then). (The paired norms'
 A/B, before / after `norms.add_rms_norm_pair`: bench/results/gemv_sweep_engine_onerow_h100.json.)
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from specloop.kernels import gemv
+from specloop.kernels import gemv, pdl
 from specloop.kernels.rope import rope_
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
@@ -147,24 +149,27 @@ def engine_ab(model: str, batches: list[int], tokens: int, tuned: dict) -> dict:
     """cublas: no one-row kernel (paired norms on, as everywhere); gemv: the one-row kernel
     with RoPE in its own launch; rope: RoPE in the qkv product's epilogue; tuned (when the
     kernel sweep ran): that, with each shape's best launch from the sweep (`tuned`); pdl: rope
-    with every one-row product a programmatic dependent launch (`gemv.PDL`)."""
+    with every one-row product a programmatic dependent launch (`pdl.ENABLED`), pdl-early:
+    that with the kernels before them releasing them as they start (`pdl.RELEASE_EARLY`)."""
     runs: dict = {}
     use, fused, launch = gemv.use_gemv, gemv.gemv_rope, gemv._launch
 
     def tuned_launch(x, weight, out, tiles, silu=False, rope=None):
         return launch(x, weight, out, tuned.get(tuple(weight.shape), tiles), silu, rope)
-    labels = ("cublas", "gemv", "rope", "pdl") + (("tuned",) if tuned else ())
+    labels = ("cublas", "gemv", "rope", "pdl", "pdl-early") + (("tuned",) if tuned else ())
     for _rep in range(2):
         for label in labels:
             gemv.use_gemv = (lambda x, w: False) if label == "cublas" else use
             gemv.gemv_rope = _rope_apart if label == "gemv" else fused
             gemv._launch = tuned_launch if label == "tuned" else launch
-            gemv.PDL = label == "pdl"
+            pdl.ENABLED = label.startswith("pdl")
+            pdl.RELEASE_EARLY = label == "pdl-early"
             for b in batches:
                 rate = _decode(model, b, tokens)
                 runs.setdefault(f"{label}_b{b}", []).append(rate)
-                print(f"engine {label:6s} batch {b}: {rate:7.1f} tok/s", flush=True)
-    gemv.use_gemv, gemv.gemv_rope, gemv._launch, gemv.PDL = use, fused, launch, False
+                print(f"engine {label:9s} batch {b}: {rate:7.1f} tok/s", flush=True)
+    gemv.use_gemv, gemv.gemv_rope, gemv._launch = use, fused, launch
+    pdl.ENABLED, pdl.RELEASE_EARLY = False, True
     return {k: {"tok_s": v, "median": statistics.median(v)} for k, v in runs.items()}
 
 

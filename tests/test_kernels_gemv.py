@@ -137,40 +137,46 @@ def test_gemv_rope_is_rope_of_the_product(dtype, tiles, heads, rotated_heads, he
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.get_device_capability()[0] < 9, reason="PDL: CUDA, Hopper and later")
-def test_programmatic_dependent_launch_changes_no_bits(monkeypatch):
-    """With `gemv.PDL` each product may start while the one before it finishes: a chain of
-    products, each reading the last one's output (and the SiLU and RoPE forms), gives the
-    same bits as without, eager and replayed from a CUDA graph after new inputs."""
-    from specloop.kernels import gemv as module
+@pytest.mark.parametrize("release_early", [False, True])
+def test_programmatic_dependent_launch_changes_no_bits(monkeypatch, release_early):
+    """With `pdl.ENABLED` each product may start while the kernel before it finishes (and,
+    with `RELEASE_EARLY`, while the norms before it run): a chain of norms and products,
+    each reading the last one's output (and the SiLU and RoPE forms), gives the same bits
+    as without, eager and replayed from a CUDA graph after new inputs."""
+    from specloop.kernels import norms, pdl
     from specloop.kernels.gemv import gemv_rope
     from specloop.model.layers import Rotary
 
     gen = torch.Generator().manual_seed(5)
     ws = [(torch.randn(1024, 1024, generator=gen) / 32).to(DEVICE, torch.bfloat16) for _ in range(3)]
     down = (torch.randn(1024, 512, generator=gen) / 32).to(DEVICE, torch.bfloat16)
+    norm_w = (1 + torch.randn(1024, generator=gen) / 8).to(DEVICE, torch.bfloat16)
     inv_freq = Rotary(64, 10000.0).inv_freq.to(DEVICE)
     positions = torch.tensor([321], device=DEVICE)
     x = torch.randn(1, 1024, generator=gen).to(DEVICE, torch.bfloat16)
 
     def chain():
-        y = gemv_rope(x, ws[0], positions, inv_freq, 512)
+        y = gemv_rope(norms.rms_norm(x, norm_w, 1e-6), ws[0], positions, inv_freq, 512)
+        h = x
         for w in ws[1:]:
-            y = gemv(y, w)
-        return gemv(y, down, silu=True)
+            h, normed = norms.add_rms_norm_pair(h, y, norm_w, 1e-6, norm_w, 1e-6)
+            y = gemv(normed, w)
+        return h, gemv(y, down, silu=True)
 
-    def run(pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        monkeypatch.setattr(module, "PDL", pdl)
+    def run(on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        monkeypatch.setattr(pdl, "RELEASE_EARLY", release_early)
         eager = chain()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = chain()
         x.copy_(x.flip(1))
         graph.replay()
-        replayed = captured.clone()
+        replayed = [t.clone() for t in captured]
         x.copy_(x.flip(1))
-        return eager, replayed
+        return [*eager, *replayed]
 
-    base, base_replayed = run(False)
-    got, got_replayed = run(True)
-    assert torch.equal(got, base) and torch.equal(got_replayed, base_replayed)
-    assert not torch.equal(base, base_replayed)  # the replay read the new input
+    base = run(False)
+    got = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, base))
+    assert not torch.equal(base[1], base[3])  # the replay read the new input

@@ -119,3 +119,31 @@ def test_choose_splits_fills_the_gpu_without_tiny_splits():
     assert choose_splits(1, 16, 1024, 132) == 4  # no split under 256 keys
     assert choose_splits(32, 16, 1024, 132) == 1
     assert choose_splits(1, 1, 100_000, 132) == 32
+
+
+@pytest.mark.skipif(DEVICE == "cpu" or torch.cuda.get_device_capability()[0] < 9, reason="PDL: CUDA, Hopper and later")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_release_before_a_dependent_launch_changes_no_bits(monkeypatch, splits):
+    """With `pdl` on, the attention (unsplit) or its combine lets the one-row product after
+    it (the o projection of a decode row) start as it starts: the same bits as without,
+    eager and from a CUDA graph."""
+    from specloop.kernels import pdl
+    from specloop.kernels.gemv import gemv
+
+    q, k, v, tables, positions, tiles = _case(9, [1], 8, 8, 64, 16, torch.bfloat16, tile_rows=16, min_start=700)
+    w = (torch.randn(512, 512, generator=torch.Generator().manual_seed(2)) / 16).to(DEVICE, torch.bfloat16)
+
+    def step():
+        out, _ = paged_attention(q, k, v, tables, positions, tiles, 16, tile_rows=16, num_splits=splits)
+        return gemv(out.view(1, -1), w)
+
+    def run(on: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        return eager, captured.clone()
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from specloop.kernels import pdl
 from specloop.kernels.rounding import round_to
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -47,11 +48,6 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
 
-
-# Programmatic dependent launch (Hopper and later, CUDA only): each one-row product may be
-# launched while the kernel before it finishes and read its first weight tile meanwhile
-# (`_gemv_kernel`'s GDC). Off: not yet measured on a GPU (bench/gemv_sweep.py's "pdl" variant).
-PDL = False
 
 # The best launch at one row for o, gate_up, down and lm_head on the H100 sweep (qkv's best,
 # 512 K a step, was 2% faster than this one).
@@ -77,9 +73,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, positions_ptr, inv_freq
     """BLOCK_N columns of the row: fp32 sums over the whole K. HALF > 0 (RoPE of head dim
     2 HALF in the epilogue): the program's columns are pairs (c, c + HALF) of one head side
     by side, so each pair's sums are in one program; the tile and its sums are as without.
-    GDC (a programmatic dependent launch, `PDL`): the first weight tile is read before
+    GDC (a programmatic dependent launch, `pdl.ENABLED`): the first weight tile is read before
     waiting for the previous kernel (nothing of it comes from there), the row and every
-    store after; the next launch may start once the sums are done. The same sums."""
+    store after; the next launch may start once the sums are done (`specloop.kernels.pdl`).
+    The same sums."""
     i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if HALF > 0:
         pair = i // 2
@@ -177,12 +174,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiles: Til
     """One launch of `_gemv_kernel` into `out` (`rope`: positions, inv_freq, rotated columns)."""
     n, k = weight.shape
     positions, inv_freq, rotated = rope if rope is not None else (out, out, 0)
-    pdl = PDL and x.is_cuda and not _INTERPRET and torch.cuda.get_device_capability(x.device)[0] >= 9
+    use_pdl = pdl.on(x)
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, out, n, k, weight.stride(0), positions, inv_freq, rotated, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, SILU=silu, HALF=0 if rope is None else inv_freq.numel(),
-        BF16_BY_HAND=_INTERPRET and x.dtype == torch.bfloat16 and rope is not None, GDC=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if pdl else {}),
+        BF16_BY_HAND=_INTERPRET and x.dtype == torch.bfloat16 and rope is not None, GDC=use_pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if use_pdl else {}),
         # RoPE as `rope_` launches it: its cos / sin (libdevice) differ in the last bit with
         # FMA contraction on. The sums do not change: bf16 / fp16 products are exact in fp32.
         enable_fp_fusion=rope is None)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from specloop.kernels import DTYPES
+from specloop.kernels import DTYPES, pdl
 
 
 @triton.jit
@@ -38,10 +38,15 @@ def _normed(x, w_ptr, c, ok, size, eps, dtype):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, h_ptr, out_ptr, w2_ptr, out2_ptr, stride_x, stride_h, stride_o, stride_o2,
-                     size, eps, eps2, ADD: tl.constexpr, NEXT: tl.constexpr, BLOCK: tl.constexpr):
+                     size, eps, eps2, ADD: tl.constexpr, NEXT: tl.constexpr, BLOCK: tl.constexpr,
+                     RELEASE: tl.constexpr):
     """One row a program: y = weight * RMSNorm(x) (+ h with ADD); with NEXT also
     weight2 * RMSNorm(y) into out2, the same arithmetic as a second launch on y (its
-    input is y as stored, one program a row, the same reduction layout)."""
+    input is y as stored, one program a row, the same reduction layout). RELEASE: a
+    programmatic dependent launch after it (a one-row product) may start now
+    (`specloop.kernels.pdl`)."""
+    if RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < size
@@ -85,7 +90,8 @@ def _launch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, h: torch.Ten
             x, weight, x if h is None else h, out, weight if weight2 is None else weight2,
             out if out2 is None else out2, x.stride(0), 0 if h is None else h.stride(0), out.stride(0),
             out.stride(0) if out2 is None else out2.stride(0), x.shape[1], eps, eps2, ADD=h is not None,
-            NEXT=weight2 is not None, BLOCK=triton.next_power_of_2(x.shape[1]), enable_fp_fusion=False)
+            NEXT=weight2 is not None, BLOCK=triton.next_power_of_2(x.shape[1]), RELEASE=pdl.release(x),
+            enable_fp_fusion=False)
     return out, out2
 
 

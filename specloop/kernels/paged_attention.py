@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specloop.kernels import pdl
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TILE_COLUMNS = 3  # first row, rows, table offset
 # Key blocks of every launch, whatever its tile size: a row's output then does not depend on
@@ -92,8 +94,10 @@ def _attention_kernel(
     stride_sr, stride_sh, score_keys, num_heads, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr, WRITE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr,
+    DOT_FP32: tl.constexpr, WRITE_LSE: tl.constexpr, STORE_SCORES: tl.constexpr, RELEASE: tl.constexpr,
 ):
+    if RELEASE:  # (unsplit) a programmatic dependent launch after it may start now (`pdl`)
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -175,9 +179,12 @@ def _attention_kernel(
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, tiles_ptr, out_ptr, lse_ptr, stride_on, stride_oh, stride_ln, num_heads,
     HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, RELEASE: tl.constexpr,
 ):
-    """Per (tile, query head): weight each split's output by exp(lse_s - lse) and sum."""
+    """Per (tile, query head): weight each split's output by exp(lse_s - lse) and sum.
+    RELEASE: a programmatic dependent launch after it may start now (`pdl`)."""
+    if RELEASE:
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     head = tl.program_id(1)
     first = tl.load(tiles_ptr + tile * 3)
@@ -275,7 +282,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scores.shape[2] if store_scores else 0, num_heads, head_dim ** -0.5,
         PAGE_SIZE=page_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, TILE_ROWS=tile_rows,
         BLOCK_G=bg, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=num_splits, DOT_FP32=dot_fp32,
-        WRITE_LSE=return_lse, STORE_SCORES=store_scores, **launch_options(num_warps, num_stages),
+        WRITE_LSE=return_lse, STORE_SCORES=store_scores, RELEASE=num_splits == 1 and pdl.release(q),
+        **launch_options(num_warps, num_stages),
     )
     if num_splits > 1:
         _combine_kernel[(num_tiles, num_heads)](
@@ -283,6 +291,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             lse.stride(0) if lse is not None else 0, num_heads,
             HEAD_DIM=head_dim, TILE_ROWS=tile_rows, SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, WRITE_LSE=return_lse,
+            RELEASE=pdl.release(q),
         )
     return out, lse
 

@@ -1,0 +1,42 @@
+"""Programmatic dependent launch (PDL; Hopper and later, CUDA only), for batch-1 decode,
+where a layer-pass is a chain of small kernels and each boundary idles the GPU while the
+next kernel launches and fills.
+
+A kernel launched with the PDL attribute (`launch_pdl=True`) may start once every program
+of the kernel before it has released its dependents (`gdc_launch_dependents`) or exited;
+it must call `gdc_wait`, which returns when that kernel has finished and its writes are
+visible, before it reads anything that kernel (or one before it) writes, and before it
+writes anything they may still read. Here:
+
+- the one-row products (`gemv`) are launched with the attribute; each reads its first
+  weight tile (nothing a kernel writes) before `gdc_wait`, so a matmul's weight stream
+  starts while the kernel before it runs;
+- with `RELEASE_EARLY`, the kernels that come before them in a decode layer-pass (the norm
+  launches, the paged attention and its split-KV combine) release their dependents as
+  they start, so the product's programs launch beside them; a release changes nothing a
+  kernel computes, and a dependent launched without the attribute ignores it.
+
+Bits are unchanged either way (tests/test_kernels_gemv.py, on the GPU). Off by default
+until it is measured to pay (`bench/gemv_sweep.py`'s `pdl` variants)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENABLED = False
+RELEASE_EARLY = True
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on(t: torch.Tensor) -> bool:
+    """Whether launches on t's device use PDL (`ENABLED`, CUDA, compute capability >= 9,
+    not the interpreter)."""
+    return ENABLED and t.is_cuda and not _INTERPRET and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def release(t: torch.Tensor) -> bool:
+    """Whether a kernel before a PDL launch on t's device releases its dependents as it starts."""
+    return RELEASE_EARLY and on(t)
