@@ -35,9 +35,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def on(t: torch.Tensor) -> bool:
-    """Whether launches on t's device use PDL (`ENABLED`, CUDA, compute capability >= 9,
-    not the interpreter)."""
-    return ENABLED and t.is_cuda and not _INTERPRET and torch.cuda.get_device_capability(t.device)[0] >= 9
+    """Whether launches on t's device use PDL (`ENABLED`, NVIDIA CUDA, compute capability
+    >= 9, not the interpreter)."""
+    return (ENABLED and t.is_cuda and not _INTERPRET and torch.version.hip is None
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def release(t: torch.Tensor) -> bool:
