@@ -324,8 +324,9 @@ def test_configuration_errors_are_one_line(value, message):
 def test_defaults_and_summary():
     assert not SparseDecodeAttention().enabled
     group = SparseDecodeAttention.parse("{}")
-    assert group.enabled and group.key_retention == 0.10
-    assert key_budget(30, group.key_retention) == 3  # exact: not the float product's 4
+    assert group.enabled and group.key_retention == 0.20  # a fifth, not the RFC's tenth (config's docstring)
+    assert key_budget(30, group.key_retention) == 6
+    assert key_budget(30, 0.1) == 3  # exact: not the float product's 4
     summary = EngineConfig(model="m", sparse_decode_attention={"key_retention": 0.25}).summary()
     assert summary["sparse_decode_attention"] == {"enabled": True, "key_retention": 0.25}
 
