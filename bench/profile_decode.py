@@ -93,10 +93,11 @@ def _case(engine: EngineCore, batch: int, steps: int, vocab: int, prompt: int = 
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    kernels = collections.Counter()
+    kernels, launches = collections.Counter(), collections.Counter()
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
             kernels[e.key] += getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+            launches[e.key] += e.count
     kernel_us = sum(kernels.values())
     for rid in list(engine.requests):
         engine.abort(rid)
@@ -109,7 +110,9 @@ def _case(engine: EngineCore, batch: int, steps: int, vocab: int, prompt: int = 
             "waiting": waiting, "host_ms_per_step": host,
             "kernel_ms_per_step": kernel_us / 1e3 / steps,
             "gpu_idle_fraction": max(0.0, 1 - (kernel_us / 1e6 / steps) / (wall / steps)),
-            "top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in kernels.most_common(top)}}
+            "top_kernels_ms_per_step": {k: v / 1e3 / steps for k, v in kernels.most_common(top)},
+            "top_kernels_launches_per_step": {k: launches[k] / steps for k, _ in kernels.most_common(top)},
+            "launches_per_step": sum(launches.values()) / steps}
 
 
 def main() -> None:
@@ -138,9 +141,9 @@ def main() -> None:
     for c in cases:
         print(json.dumps({k: c[k] for k in ("batch", "rows_per_step", "running", "waiting", "wall_ms_per_step",
                                             "tokens_per_s", "kernel_ms_per_step",
-                                            "gpu_idle_fraction", "host_ms_per_step")}))
+                                            "gpu_idle_fraction", "host_ms_per_step", "launches_per_step")}))
         for k, v in list(c["top_kernels_ms_per_step"].items())[:args.top]:
-            print(f"   {v:8.3f} ms  {k[:100]}")
+            print(f"   {v:8.3f} ms {c['top_kernels_launches_per_step'][k]:6.0f}x  {k[:90]}")
 
 
 if __name__ == "__main__":
