@@ -114,7 +114,7 @@ def test_padding_rows_write_only_the_sinks(tiny_ckpt, mode):
     tables = torch.zeros(batches.max_tables + 1, dtype=torch.long, device=device)
     tables[batches.pad_table] = sink_page
     layout = batches.graph_layout(4, runner.adaptive_exit)
-    lp = batches.graph_view(layout, batches.pad_block(layout), tables, False, num_splits=1)
+    lp = batches.graph_view(layout, batches.pad_block(layout), tables, None, num_splits=1)
     k_before, v_before, hidden_before = kv.k.clone(), kv.v.clone(), slots.hidden.clone()
     planes = {name: t.clone() for name, t in vars(store).items() if isinstance(t, torch.Tensor)} if store else {}
     if store is not None:

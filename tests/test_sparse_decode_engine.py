@@ -276,6 +276,13 @@ def test_cuda_kernels_in_the_engine(any_ckpt, mode, graphs):
     got = _run(engine, PROMPTS)
     runner = engine.executor.runner
     assert (runner.graphs is not None and runner.graphs.sparse_replays > 0) == graphs
+    if graphs and mode == "plain":  # split: loop 2 replays the sources' graph, loops 3-4 the corrections'
+        from specloop.flashloop.sparse_decode.batch import SPLIT_GRAPHS
+        replays = runner.graphs.variant_replays
+        if SPLIT_GRAPHS:
+            assert replays["sources"] and replays["corrections"]
+        else:
+            assert replays["both"] == runner.graphs.sparse_replays
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs = got[f"r{i}"]
         want = reference_logprobs(any_ckpt, prompt, tokens, _features(), options.get("exit_threshold"))
@@ -565,3 +572,41 @@ def test_the_scratch_keeps_strides_of_whole_16_key_blocks_at_every_context():
         assert view.stride(0) % 16 == 0 and view.stride(1) % 16 == 0, context
     bytes_of = DecodeReferences.nbytes(4, 2, 3, 8, 37, 0.5, torch.float32, max_rows=1)
     assert bytes_of == DecodeReferences.nbytes(4, 2, 3, 8, 37, 0.5, torch.float32) + refs.scratch.numel() * 4
+
+
+@pytest.mark.parametrize("key", ["sources", "corrections", "both"])
+def test_graph_variants_list_the_parts_their_key_names(key, monkeypatch):
+    """With `SPLIT_GRAPHS`, a graph variant's pass lists every row of its bucket for the
+    steps its key names and none for the other (so it launches no step for a part none of
+    its rows plays), and a pass holding such lists replays that variant; the roles say
+    which rows play each part. Without it (the default) every such pass replays "both"."""
+    from specloop.flashloop.sparse_decode import batch
+    from specloop.flashloop.sparse_decode.batch import VARIANTS, SparseDecodeBatch, SparseRows, variant_key
+
+    class _Pass:
+        num_rows = 4
+        notes: dict = {}
+
+    off = SparseDecodeBatch(max_rows=8, num_loops=4)
+    assert off.variant_keys == ("both",) and off.variant_key(SparseRows(torch.arange(2), torch.arange(0))) == "both"
+    monkeypatch.setattr(batch, "SPLIT_GRAPHS", True)
+    part = SparseDecodeBatch(max_rows=8, num_loops=4)
+    assert part.variant_keys == VARIANTS
+    lp = _Pass()
+    lp.notes = {}
+    part.graph_view(lp, torch.tensor([1, 2, 0, 1]), key)
+    rows = lp.notes[SparseRows]
+    assert variant_key(rows) == part.variant_key(rows) == key
+    assert rows.source.tolist() == ([0, 1, 2, 3] if key != "corrections" else [])
+    assert rows.correction.tolist() == ([0, 1, 2, 3] if key != "sources" else [])
+    if key != "corrections":
+        assert rows.source_ok.tolist() == [True, False, False, True]
+    if key != "sources":
+        assert rows.correction_ok.tolist() == [False, True, False, False]
+    lp.notes = {}
+    part.graph_view(lp, torch.tensor([1, 2, 0, 1]), None)
+    assert SparseRows not in lp.notes
+    # an eager or replayed pass's lists (`tail_view`) name its variant
+    for sources, corrections, want in (([0], [], "sources"), ([], [1, 2], "corrections"), ([0], [1], "both")):
+        assert variant_key(SparseRows(torch.tensor(sources, dtype=torch.long),
+                                      torch.tensor(corrections, dtype=torch.long))) == want

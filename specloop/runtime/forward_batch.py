@@ -45,7 +45,7 @@ import array
 import bisect
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -175,7 +175,11 @@ class BatchPart(Protocol):
     `graph_view`."""
 
     capacity: int  # the most integers `tail_ints` and `plan_ints` add to one plan's upload
-    variant: type | None  # a note type whose presence selects a pass's own graph (None: no variant)
+    variant: type | None  # a note type whose presence selects a pass's own graphs (None: no variant)
+    variant_keys: tuple[Hashable, ...]  # with `variant`: the graphs captured per bucket, one a key
+
+    def variant_key(self, note: Any) -> Hashable:
+        """Which of `variant_keys` a pass holding `note` replays (host values only: no sync)."""
 
     def start(self, plan: Plan) -> None: ...
 
@@ -202,7 +206,9 @@ class BatchPart(Protocol):
 
     def pass_view(self, lp: LoopPass, columns: torch.Tensor, info: Any, graphed: bool) -> None: ...
 
-    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: bool) -> None: ...
+    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: Hashable | None) -> None:
+        """Its fixed view of a graph's pass (`variant`: the part's key of the graph, None for
+        the graph of passes without a variant note)."""
 
     def tail_ints(self, info: Any) -> list[int]: ...
 
@@ -279,9 +285,19 @@ class ForwardBatchBuilder:
         self.uploads = 0  # host-to-device copies so far (a test counts them per call)
 
     @property
-    def variants(self) -> tuple[type, ...]:
-        """Note types that select a graph variant of their own (a pass holding one replays it)."""
-        return tuple(part.variant for part in self.parts if part.variant is not None)
+    def variants(self) -> tuple[Hashable | None, ...]:
+        """The graphs captured per bucket: None (passes holding no part's variant note) and
+        each key of the part that has a variant (at most one part has)."""
+        parts = [part for part in self.parts if part.variant is not None]
+        assert len(parts) <= 1, "graph variants of two batch parts would need their keys combined"
+        return (None,) + (parts[0].variant_keys if parts else ())
+
+    def variant_of(self, lp: LoopPass) -> Hashable | None:
+        """The graph variant pass `lp` replays (`variants`)."""
+        for part in self.parts:
+            if part.variant is not None and part.variant in lp.notes:
+                return part.variant_key(lp.notes[part.variant])
+        return None
 
     def bucket(self, rows: int) -> int:
         """The graph bucket a pass of `rows` rows is padded to, or `rows` past the largest."""
@@ -310,10 +326,10 @@ class ForwardBatchBuilder:
         """A block of padding rows only (what a CUDA graph is captured on)."""
         return pad_block(layout, self.pad_slot, self.pad_table, self.device, self.parts)
 
-    def graph_view(self, layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, variant: bool,
+    def graph_view(self, layout: PassLayout, block: torch.Tensor, tables: torch.Tensor, variant: Hashable | None,
                    num_splits: int, max_context: int | None = None) -> LoopPass:
         """The `LoopPass` a CUDA graph captures: every row of its bucket, each part's fixed
-        view (`variant`: the graph of passes holding a part's variant note)."""
+        view (`variant`: one of `variants`, the graph's)."""
         b = layout.bucket
         lp = pass_view(layout, block, tables, self.page_size, b, [], self.tile_rows[0] if self.tile_rows else 0,
                        b if self.tile_rows is not None else None, num_splits=num_splits, max_context=max_context)

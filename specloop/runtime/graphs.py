@@ -22,21 +22,28 @@ INT4 residuals the pass's appends, its encoding plan (a fixed number of candidat
 per cell and plane, every plane: `ResidualBatch.graph_shape`), the per-layer
 encoding and the packed reader are captured too; padding cells' candidates are never
 ready, so they encode into the sink record only.
-A batch part may ask for a variant graph per bucket, replayed by the passes that hold its
-variant note (`BatchPart.variant`). Sparse decode attention's is for passes with
-generated-token rows: it runs the source and correction steps over every row of the bucket, the block's
-roles column saying which rows play which part (`SparseRows`), the correction rows'
-fallback tiles from the block, the scores scratch at its fixed address, and the state in
-the decode slots (a padding row's part is none, so it writes nothing).
+A batch part may ask for variant graphs per bucket, each replayed by the passes whose
+variant note has its key (`BatchPart.variant`, `variant_keys`, `variant_key`). Sparse
+decode attention's are for passes with generated-token rows: by default one ("both"),
+and with its `SPLIT_GRAPHS` (off until it has run on a GPU) one for passes whose
+generated rows are all sources (depth 1), one for all corrections (depth 2 and deeper)
+and one for both (speculation, token pipelines). Each runs the steps its key names over
+every row of the bucket, the block's roles column saying which rows play which part
+(`SparseRows`), the correction rows' fallback tiles from the block, the scores scratch at
+its fixed address, and the state in the decode slots (a padding row's part is none, so it
+writes nothing). Split, a batch-1 decode's loop 2 is a source pass and its loops 3-4
+correction passes, so none of them launches the other step's kernels over rows that play
+no part.
 Passes whose groups need the kernel's large tiles (prompt chunks) or more rows than the
 largest bucket run eager, as do the heads and sampling.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -49,9 +56,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class _Graph:
-    def __init__(self, layout: PassLayout, block: torch.Tensor, hidden: torch.Tensor, variant: bool) -> None:
+    def __init__(self, layout: PassLayout, block: torch.Tensor, hidden: torch.Tensor, variant: Hashable | None) -> None:
         self.layout = layout
-        self.variant = variant  # the graph of passes holding a batch part's variant note (sparse decode rows)
+        self.variant = variant  # a batch part's variant key (sparse decode rows' parts), None: no variant note
         self.block = block
         self.hidden = hidden
         self.out: torch.Tensor | None = None
@@ -77,16 +84,17 @@ class LoopGraphs:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.splits = {b: kv.splits(b, num_kv_heads, max_context, sms) for b in self.buckets}
         self.max_context = max_context
-        # Per (bucket, whether the pass holds a batch part's variant note: sparse decode rows):
-        # passes without them (loop 1, prompts) skip that work, which a graph would otherwise
-        # launch over padding. With INT4 residuals the sparse decode kernels read the packed
+        # Per (bucket, the pass's variant: None or a batch part's key, sparse decode rows'
+        # parts): passes without them (loop 1, prompts) skip that work, and passes with them
+        # the work of parts they have no rows for, which a graph would otherwise launch over
+        # rows playing no part. With INT4 residuals the sparse decode kernels read the packed
         # planes in place (no transient), so those passes capture too.
-        self.variant_notes = batches.variants
-        self.variants = (False, True) if self.variant_notes else (False,)
-        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.variants = batches.variants
+        self.graphs: dict[tuple[int, Hashable | None], _Graph] = {}
         self._hidden_size, self._dtype, self._adaptive_exit = hidden_size, dtype, adaptive_exit
         self.replays = 0  # passes run through a graph (tests count them)
         self.sparse_replays = 0  # ... of them, through a variant graph (sparse decode attention's rows)
+        self.variant_replays: collections.Counter = collections.Counter()  # ... per variant key
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -109,7 +117,7 @@ class LoopGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs of a loop pass (buckets %s rows%s) in %.2f s, %.0f MiB of graph memory",
                  len(self.graphs), ",".join(map(str, self.buckets)),
-                 ", each with and without its variant (sparse decode rows)" if len(self.variants) > 1 else "",
+                 f", {len(self.variants)} variants each (sparse decode rows' parts)" if len(self.variants) > 1 else "",
                  time.perf_counter() - start,
                  (torch.cuda.memory_reserved(self.device) - before) / 2**20)
 
@@ -122,11 +130,8 @@ class LoopGraphs:
         """A pass replays when its rows fill a captured bucket, its tiles are the small ones
         and no prompt chunk goes without tiles (the builder gave such a pass the graph's
         layout: `ForwardBatchBuilder.build`)."""
-        return (not lp.contiguous and (lp.bucket, self._variant(lp)) in self.graphs
+        return (not lp.contiguous and (lp.bucket, self.batches.variant_of(lp)) in self.graphs
                 and lp.tile_rows == self.tile_rows)
-
-    def _variant(self, lp: LoopPass) -> bool:
-        return any(note in lp.notes for note in self.variant_notes)
 
     def load_tables(self, tables: torch.Tensor) -> None:
         """The call's page tables into the graphs' table buffer (once per call)."""
@@ -136,10 +141,11 @@ class LoopGraphs:
         """Run pass `lp` through its bucket's graph; returns a view of the graph's output
         (valid until the next replay of that bucket: stream order protects readers enqueued
         before it)."""
-        g = self.graphs[lp.bucket, self._variant(lp)]
+        g = self.graphs[lp.bucket, self.batches.variant_of(lp)]
         g.block.copy_(lp.block)
         g.hidden[: lp.num_rows].copy_(hidden)
         g.graph.replay()
         self.replays += 1
-        self.sparse_replays += g.variant
+        self.sparse_replays += g.variant is not None
+        self.variant_replays[g.variant] += 1
         return g.out[: lp.num_rows]

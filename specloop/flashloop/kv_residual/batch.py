@@ -190,7 +190,7 @@ class ResidualBatch:
         if info[4]:
             lp.notes[PromptChunks] = info[4]
 
-    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: bool) -> None:
+    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: object) -> None:
         self._view(lp, columns, self.graph_shape(lp.bucket))
 
     def tail_ints(self, info: PassInfo) -> list[int]:

@@ -60,7 +60,8 @@ class SparseDecodeStep:
     def leaves_rows_out(sp: SparsePass) -> bool:
         """Its correction rows are not in the dense launch's tiles: the output starts at zeros
         until the correction step writes them, never uninitialised memory (exited rows keep
-        them). A graph's pass lists every row: always."""
+        them). A graph's pass lists every row of its bucket as a correction unless its
+        variant has sources only (`batch.VARIANTS`)."""
         return sp.rows.correction.numel() > 0
 
     @staticmethod

@@ -4,11 +4,17 @@ generated-token rows (positions at or past their group's `decode_from`), those a
 dense query tiles (the correction step computes them). Each pass block holds every row's
 role (1 a source, 2 a correction, 0 neither): a CUDA graph's pass lists every row of its
 bucket and reads the roles (`SparseRows.source_ok` / `correction_ok`), so passes with
-such rows replay a graph variant of their own."""
+such rows replay graph variants of their own. With `SPLIT_GRAPHS` there is one for
+passes of sources alone, one for corrections alone, one for both (`VARIANTS`), so that a
+pass launches no step for a part none of its rows plays (a batch-1 decode's loop 2 has
+sources only, loops 3-4 corrections only); without it one graph runs both steps for
+every such pass, their kernels launched over rows that play no part (at batch 1 the
+select's six launches at loops 3 and 4, the correction's at loop 2)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -53,11 +59,31 @@ def sparse_rows(ordered: list[RowGroup], firsts: list[int], p: int) -> tuple[lis
     return source, correction
 
 
+# A pass's graph variant: which of the two steps its generated-token rows need.
+VARIANTS = ("sources", "corrections", "both")
+# Off until it has run on a GPU (written 2026-12-07 when the session's device time was
+# spent): the variant graphs per part, which should take about 1 ms off a batch-1 sparse
+# decode step after 8K (H100: 9.7 ms against dense's 8.6, the gap about what the empty
+# launches cost). SPECLOOP_SPARSE_SPLIT_GRAPHS=1 turns it on; to take it up, run
+# tests/test_sparse_decode_engine.py's graph cases and the matrix's graph cells with it
+# on, then bench/flashloop_speed.py --variants dense,sparse-decode-recipe --cases 1x8192.
+SPLIT_GRAPHS = os.environ.get("SPECLOOP_SPARSE_SPLIT_GRAPHS") == "1"
+
+
+def variant_key(rows: SparseRows) -> str:
+    """The graph variant of a pass with these rows (host: tensor sizes only)."""
+    if not rows.correction.numel():
+        return "sources"
+    return "corrections" if not rows.source.numel() else "both"
+
+
 class SparseDecodeBatch:
     variant = SparseRows
 
     def __init__(self, max_rows: int, num_loops: int) -> None:
         self.capacity = num_loops * max_rows  # each pass's lists
+        self.split = SPLIT_GRAPHS
+        self.variant_keys = VARIANTS if self.split else ("both",)
 
     def start(self, plan: Plan) -> None:
         pass
@@ -93,13 +119,21 @@ class SparseDecodeBatch:
     def pass_view(self, lp: LoopPass, columns: torch.Tensor, info: object, graphed: bool) -> None:
         pass  # an eager or replayed pass's lists come after the blocks (`tail_view`)
 
-    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: bool) -> None:
-        """A graph's variant for passes with generated-token rows: every row of the bucket,
-        the roles column saying which play a part."""
-        if variant:
+    def variant_key(self, rows: SparseRows) -> str:
+        return variant_key(rows) if self.split else "both"
+
+    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: str | None) -> None:
+        """A graph's variant for passes with generated-token rows: every row of the bucket in
+        the lists of the parts its key names (the other list empty), the roles column saying
+        which rows play them."""
+        if variant is not None:
             roles = columns[: lp.num_rows]
             every = torch.arange(lp.num_rows, device=columns.device)
-            lp.notes[SparseRows] = SparseRows(every, every, roles == 1, roles == 2, every=True)
+            none = every[:0]
+            sources, corrections = variant in ("sources", "both"), variant in ("corrections", "both")
+            lp.notes[SparseRows] = SparseRows(every if sources else none, every if corrections else none,
+                                              roles == 1 if sources else None,
+                                              roles == 2 if corrections else None, every=True)
 
     def tail_ints(self, info: tuple[list[int], list[int]]) -> list[int]:
         return info[0] + info[1]

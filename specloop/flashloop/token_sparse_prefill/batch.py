@@ -89,7 +89,7 @@ class WindowBatchPart:
     def pass_view(self, lp: LoopPass, columns: torch.Tensor, info: None, graphed: bool) -> None:
         pass
 
-    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: bool) -> None:
+    def graph_view(self, lp: LoopPass, columns: torch.Tensor, variant: object) -> None:
         pass
 
     def tail_ints(self, info: None) -> list[int]:
