@@ -29,8 +29,9 @@
 # path) and bench/baseline.py in one call; PART=serve-sweep bench/serve.py at concurrency 16/64/128 (CONCURRENCY),
 # dense and with block rounds (plot: bench/plot_serve.py); PART=prefix-cache the prefix caching engine tests on the GPU and
 # bench/prefix_cache.py (64 requests sharing a 4K prefix, caching off and on): fp32 (outputs equal), bf16 with
-# its noise floor (the uncached engine with other chunks), INT4 (32 requests). Unset: tests, preempt, bench and
-# serve, one after the other.
+# its noise floor (the uncached engine with other chunks), INT4 (32 requests); PART=sparse-split sparse decode's
+# graphs split by part (SPECLOOP_SPARSE_SPLIT_GRAPHS=1): its engine and matrix graph tests on, then batch-1 decode
+# after 8K with it off and on, one process each, alternated. Unset: tests, preempt, bench and serve, one after the other.
 set -u
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -134,6 +135,22 @@ if [ "$PART" = sparse-profile ]; then  # where a decode step's time goes, dense 
     [ "$v" = all ] && sda+=(--token-sparse-prefill '{}')
     TAIL=50 step 250 python bench/profile_decode.py --model /tmp/ouro14 --prompt 8192 --batches "${BATCHES:-1,16}" --steps 20 \
       --max-model-len 33024 --top 20 "${sda[@]}" --out "$OUT/profile_decode_${v}_8k_h200.json"
+  done
+  exit 0
+fi
+if [ "$PART" = sparse-split ]; then  # sparse decode's graph variants per part: tests with it on, then off / on speed
+  python -m specloop.cli random-checkpoint /tmp/ouro14 --preset ouro-1.4b >/dev/null 2>&1 &
+  SPECLOOP_SPARSE_SPLIT_GRAPHS=1 TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_sparse_decode_engine.py \
+    tests/test_cuda_graphs.py -k "cuda or graph or padding"
+  SPECLOOP_SPARSE_SPLIT_GRAPHS=1 TAIL=8 step 150 python -m pytest -q -rf --tb=line tests/test_flashloop_matrix.py \
+    -k "graph and decode"
+  wait
+  for rep in 1 2; do
+    for split in 0 1; do
+      SPECLOOP_SPARSE_SPLIT_GRAPHS=$split TAIL=6 step 90 python bench/flashloop_speed.py --model /tmp/ouro14 \
+        --speculation none --variants dense,sparse-decode-recipe --cases 1x8192 --max-model-len 33024 --decode-tokens 64 \
+        --kv-bytes "${KV_BYTES:-53687091200}" --out "$OUT/flashloop_speed_sparse_split${split}_r${rep}.json"
+    done
   done
   exit 0
 fi
