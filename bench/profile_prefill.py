@@ -47,6 +47,7 @@ VARIANTS = {
     "int4": {"kv_residual_quantization": {}},
     "int4-exec": {"kv_residual_quantization": {"policy": "execution"}},
     "sparse": {"token_sparse_prefill": {}},
+    "sparse-recipe": {"token_sparse_prefill": {"retention": [1.0, 1.0, 1.0, 0.5]}},  # issue 38's quality recipe
     "all": {"kv_residual_quantization": {}, "token_sparse_prefill": {}, "sparse_decode_attention": {}},
 }
 
