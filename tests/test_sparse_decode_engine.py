@@ -587,6 +587,7 @@ def test_graph_variants_list_the_parts_their_key_names(key, monkeypatch):
         num_rows = 4
         notes: dict = {}
 
+    monkeypatch.setattr(batch, "SPLIT_GRAPHS", False)  # (whatever SPECLOOP_SPARSE_SPLIT_GRAPHS says)
     off = SparseDecodeBatch(max_rows=8, num_loops=4)
     assert off.variant_keys == ("both",) and off.variant_key(SparseRows(torch.arange(2), torch.arange(0))) == "both"
     monkeypatch.setattr(batch, "SPLIT_GRAPHS", True)

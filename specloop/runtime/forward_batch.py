@@ -176,10 +176,11 @@ class BatchPart(Protocol):
 
     capacity: int  # the most integers `tail_ints` and `plan_ints` add to one plan's upload
     variant: type | None  # a note type whose presence selects a pass's own graphs (None: no variant)
-    variant_keys: tuple[Hashable, ...]  # with `variant`: the graphs captured per bucket, one a key
+    variant_keys: tuple[Hashable, ...]  # only with `variant`: the graphs captured per bucket, one a key (not None)
 
     def variant_key(self, note: Any) -> Hashable:
-        """Which of `variant_keys` a pass holding `note` replays (host values only: no sync)."""
+        """Only with `variant`: which of `variant_keys` a pass holding `note` replays (host
+        values only: no sync)."""
 
     def start(self, plan: Plan) -> None: ...
 
@@ -290,7 +291,9 @@ class ForwardBatchBuilder:
         each key of the part that has a variant (at most one part has)."""
         parts = [part for part in self.parts if part.variant is not None]
         assert len(parts) <= 1, "graph variants of two batch parts would need their keys combined"
-        return (None,) + (parts[0].variant_keys if parts else ())
+        keys = parts[0].variant_keys if parts else ()
+        assert None not in keys, "None is the graph of passes without a variant note"
+        return (None,) + keys
 
     def variant_of(self, lp: LoopPass) -> Hashable | None:
         """The graph variant pass `lp` replays (`variants`)."""

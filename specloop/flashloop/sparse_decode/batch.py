@@ -26,9 +26,10 @@ from specloop.runtime.forward_batch import ForwardBatch, LoopPass
 class SparseRows:
     """A loop pass's generated-token rows: `source` (depth 1) and `correction` (depth >= 2)
     batch rows, [Ns] and [Nc] long on the device. A CUDA graph lists every row of its
-    bucket in both (`every`: then a gather by them is the tensor itself) and says which rows
-    play each part in `source_ok` / `correction_ok` ([b] bool, from the pass block: values,
-    never constants of the graph). `memo` holds what the pass's layer 0 derived from the
+    bucket in each list its variant runs (`every`: then a gather by them is the tensor
+    itself; the other list, if any, empty) and says which rows play each part in
+    `source_ok` / `correction_ok` ([b] bool, from the pass block: values, never constants
+    of the graph; None for an empty list). `memo` holds what the pass's layer 0 derived from the
     rows (slots, masks, the missing states), which its later layers reuse (layer 0 derives it
     afresh, so a list reused for another pass is never stale)."""
 

@@ -23,9 +23,10 @@ before its loop 3) gets dense attention over its keys from the correction kernel
 counted in `fallbacks`, never consuming another token's state.
 
 Under CUDA graphs a pass with generated-token rows replays a graph of its own, which runs
-both steps over every row of its bucket; the pass block's roles column says which rows
-play which part (`SparseRows.source_ok` / `correction_ok`), padding rows play none and
-write nothing, and the scores scratch has a fixed address.
+both steps (or, with `batch.SPLIT_GRAPHS`, the step its rows need) over every row of its
+bucket; the pass block's roles column says which rows play which part
+(`SparseRows.source_ok` / `correction_ok`), padding rows play none and write nothing, and
+the scores scratch has a fixed address.
 
 With INT4 residual planes the source and correction read each key as the row reads it
 (exact from the BF16 tail or reconstructed from the packed planes, by the read rule),
