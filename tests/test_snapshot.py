@@ -223,6 +223,23 @@ def test_a_snapshot_from_before_keep_last_restores_and_keep_last_is_checked(tiny
         _engine(tiny_ckpt, token_sparse_prefill=group).restore(on)
 
 
+def test_a_feature_off_on_both_sides_ignores_its_other_settings(tiny_ckpt):
+    """A snapshot taken with a feature off restores into an engine with it off whatever the
+    group's other settings say (sparse decode attention's default key retention moved from
+    0.10 to 0.20 on 2026-12-07; snapshots without the feature must not be refused for it);
+    with the feature on, a setting that differs is still refused."""
+    snap = _snapshot(tiny_ckpt)
+    group = snap.data["config"]["sparse_decode_attention"]
+    assert group["enabled"] is False
+    snap.data["config"]["sparse_decode_attention"] = {**group, "key_retention": 0.1}
+    engine = _engine(tiny_ckpt)
+    engine.restore(snap)
+    assert "r0" in engine.requests
+    on = _snapshot(tiny_ckpt, sparse_decode_attention={"key_retention": 0.1})
+    with pytest.raises(SnapshotError, match="key_retention"):
+        _engine(tiny_ckpt, sparse_decode_attention={"key_retention": 0.2}).restore(on)
+
+
 def test_refused_for_lack_of_room_or_a_taken_id_changes_nothing(tiny_ckpt):
     snap = _snapshot(tiny_ckpt)
     small = _engine(tiny_ckpt, pages=8)

@@ -153,7 +153,7 @@ class Snapshotter:
                 value = {k: v for k, v in value.items() if k != "tail_share"}  # its pool sizing too
             if key == "token_sparse_prefill" and isinstance(value, dict) and "keep_last" not in value:
                 value = {**value, "keep_last": False}  # (older snapshots predate the option: it was off)
-            if mine != value:
+            if mine != value and not _both_off(value, mine):
                 raise SnapshotError(f"the snapshot was taken with {key}={value!r}, this engine has {mine!r}")
         rid = snap.request_id
         if id_in_use:
@@ -374,3 +374,11 @@ class CellPart:
             tokens, probs = self.draft
             tokens[req.cell] = cell["draft_tokens"].to(tokens.device)
             probs[req.cell] = cell["draft_probs"].to(probs.device)
+
+
+def _both_off(value: Any, mine: Any) -> bool:
+    """Whether a feature group is off in the snapshot and in this engine: its other settings
+    then change nothing a resume computes (a default that moved since, such as sparse decode
+    attention's key retention, must not refuse snapshots taken without the feature)."""
+    return (isinstance(value, dict) and isinstance(mine, dict) and value.get("enabled") is False
+            and mine.get("enabled") is False)
