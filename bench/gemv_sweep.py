@@ -150,9 +150,11 @@ def engine_ab(model: str, batches: list[int], tokens: int, tuned: dict) -> dict:
     with RoPE in its own launch; rope: RoPE in the qkv product's epilogue; tuned (when the
     kernel sweep ran): that, with each shape's best launch from the sweep (`tuned`); pdl: rope
     with every one-row product a programmatic dependent launch (`pdl.ENABLED`), pdl-early:
-    that with the kernels before them releasing them as they start (`pdl.RELEASE_EARLY`)."""
+    that with the kernels before them releasing them as they start (`pdl.RELEASE_EARLY`;
+    the engine's default since 2026-12-07). Every variant but the pdl ones runs with PDL off."""
     runs: dict = {}
     use, fused, launch = gemv.use_gemv, gemv.gemv_rope, gemv._launch
+    pdl_on, release = pdl.ENABLED, pdl.RELEASE_EARLY
 
     def tuned_launch(x, weight, out, tiles, silu=False, rope=None):
         return launch(x, weight, out, tuned.get(tuple(weight.shape), tiles), silu, rope)
@@ -169,7 +171,7 @@ def engine_ab(model: str, batches: list[int], tokens: int, tuned: dict) -> dict:
                 runs.setdefault(f"{label}_b{b}", []).append(rate)
                 print(f"engine {label:9s} batch {b}: {rate:7.1f} tok/s", flush=True)
     gemv.use_gemv, gemv.gemv_rope, gemv._launch = use, fused, launch
-    pdl.ENABLED, pdl.RELEASE_EARLY = False, True
+    pdl.ENABLED, pdl.RELEASE_EARLY = pdl_on, release
     return {k: {"tok_s": v, "median": statistics.median(v)} for k, v in runs.items()}
 
 
@@ -191,7 +193,9 @@ def main() -> None:
 
     tuned: dict = {}
     if not args.no_kernels:
+        pdl_on, pdl.ENABLED = pdl.ENABLED, False  # each launch alone, as cuBLAS's and the earlier sweeps'
         kernels = sweep_kernels([1], lambda out: save("kernels", out))
+        pdl.ENABLED = pdl_on
         tuned = {(v["n"], v["k"]): gemv.Tiles(**v["best"]["tiles"]) for v in kernels.values()}
         result["tuned"] = {f"{n}x{k}": t._asdict() for (n, k), t in tuned.items()}
     if args.model:
