@@ -24,6 +24,7 @@ and `pdl-early` variants, bench/results/gemv_sweep_engine_pdl_h100.json)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,8 +38,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def on(t: torch.Tensor) -> bool:
     """Whether launches on t's device use PDL (`ENABLED`, NVIDIA CUDA, compute capability
     >= 9, not the interpreter)."""
-    return (ENABLED and t.is_cuda and not _INTERPRET and torch.version.hip is None
-            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return ENABLED and t.is_cuda and not _INTERPRET and _hopper(t.device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int | None) -> bool:
+    """NVIDIA compute capability >= 9 (asked once a device: every eager norm and attention
+    launch asks)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def release(t: torch.Tensor) -> bool:
